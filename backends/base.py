@@ -1,0 +1,227 @@
+"""The Backend contract and the backend-neutral messages that cross it.
+
+The gateway converts each wire request into one frozen :class:`GenerationRequest` (one
+choice: ``n`` and prompt lists are fanned out by the gateway, choice ``i`` gets ``seed + i``).
+A backend answers with an async iterator of :class:`GenerationChunk`; the last chunk carries
+``finish_reason`` and ``usage``. Closing the iterator (``aclose()``, or the task being
+cancelled) must abort the work upstream: HTTP stream closed, engine request aborted, KV
+blocks freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+__all__ = [
+    "Backend",
+    "BackendConfig",
+    "Capabilities",
+    "ChatMessage",
+    "EnginePhases",
+    "GenerationChunk",
+    "GenerationRequest",
+    "HealthStatus",
+    "ModelInfo",
+    "SamplingParams",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+]
+
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls", "content_filter"]
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """One chat turn; ``content`` is plain text (content-part arrays are joined by the gateway)."""
+
+    role: str
+    content: str
+    name: str | None = None
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling for one choice. ``None`` means "the backend's default"."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    #: Return the sampled token's logprob (chat ``logprobs`` / completions ``logprobs``).
+    logprobs: bool = False
+    #: How many alternatives per position (chat ``top_logprobs`` / completions ``logprobs=N``).
+    top_logprobs: int = 0
+    #: Completions ``echo``: the prompt is part of the output, with prompt logprobs if asked.
+    echo: bool = False
+
+
+class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One backend-neutral generation (one choice). Built by the controller; frozen."""
+
+    request_id: str
+    model: str  # the alias the client asked for
+    kind: Literal["chat", "completion"]
+    messages: tuple[ChatMessage, ...] | None = None  # chat
+    prompt: str | tuple[int, ...] | None = None  # completion: text or token ids
+    params: SamplingParams = SamplingParams()
+    stream: bool = False
+    choice_index: int = 0
+    tenant: str | None = None
+    api_key_id: str | None = None
+    user: str | None = None
+    #: Absolute ``time.monotonic()`` deadline, or None.
+    deadline: float | None = None
+    #: Structured-output spec (``response_format``), passed through where supported.
+    response_format: dict[str, Any] | None = None
+    #: Incoming W3C trace context to propagate to remote backends.
+    traceparent: str | None = None
+    #: Free-form labels plugins may attach (routing hints, tenant tags).
+    labels: dict[str, str] = {}
+
+
+class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    token_id: int | None = None
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    """Logprob of one emitted (or, for echo, prompt) token and its top alternatives."""
+
+    token: str
+    logprob: float | None  # None for the first prompt token (nothing predicts it)
+    token_id: int | None = None
+    bytes: list[int] | None = None
+    top_logprobs: tuple[TopLogprob, ...] = ()
+    text_offset: int | None = None
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    #: Prompt tokens served from a prefix cache; None when the backend cannot tell.
+    cached_tokens: int | None = None
+
+
+class EnginePhases(msgspec.Struct, frozen=True, kw_only=True):
+    """Time spent in engine phases, for tracing (seconds; None when unknown)."""
+
+    queued_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+
+
+class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """A piece of output. Text deltas are already detokenized (never split a UTF-8 char)."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    #: Completions ``echo``: prompt text with its per-token logprobs, on the first chunk only.
+    prompt_text: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: FinishReason | None = None
+    #: Set on the last chunk (and on error, with what was produced so far).
+    usage: Usage | None = None
+    phases: EnginePhases | None = None
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What a backend honestly supports; the gateway answers 400 for the rest."""
+
+    streaming: bool = True
+    logprobs: bool = False
+    echo: bool = False
+    top_k: bool = True
+    min_p: bool = True
+    seed: bool = True
+    penalties: bool = True
+    repetition_penalty: bool = True
+    structured_outputs: bool = False
+    tools: bool = False
+    embeddings: bool = False
+    max_top_logprobs: int = 20
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a backend knows about the model it serves."""
+
+    id: str  # the backend's own model name (file stem, upstream id)
+    context_length: int | None = None
+    chat_template: str | None = None
+    owned_by: str = "infermux"
+
+
+class HealthStatus(msgspec.Struct, frozen=True, kw_only=True):
+    ok: bool
+    detail: str = ""
+
+
+class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """One ``[[backends]]`` table of the routing config.
+
+    ``options`` is the kind-specific table (``model_path``, ``url``, ``n_ctx``...); each kind
+    decodes it into its own Struct and names bad keys as ``backends.<name>.options.<key>``.
+    """
+
+    name: str
+    kind: str
+    options: dict[str, Any] = {}
+    #: Timeouts in seconds (None: no limit).
+    connect_timeout: float | None = 5.0
+    first_byte_timeout: float | None = 60.0
+    idle_timeout: float | None = 30.0
+    total_timeout: float | None = 600.0
+    #: Consecutive failures that open the circuit, and its cool-down before half-open.
+    circuit_failure_threshold: int = 5
+    circuit_cooldown_s: float = 10.0
+    max_concurrency: int | None = None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """An inference backend for one model.
+
+    Lifecycle: constructed cheaply from a :class:`BackendConfig`, ``await start()`` loads the
+    model (showing progress), ``generate`` serves, ``await aclose()`` frees everything.
+    """
+
+    name: str
+    kind: str
+    capabilities: Capabilities
+
+    async def start(self) -> None:
+        """Load the model / open clients. Raises ``BackendUnavailableError`` on failure."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the output of one choice.
+
+        Raises (from the iterator) only :mod:`backends.errors` types. Before the first chunk a
+        retryable error lets the router try another backend. Closing the iterator aborts the
+        work. The last chunk has ``finish_reason`` and ``usage``.
+        """
+        ...
+
+    def model_info(self) -> ModelInfo:
+        """The served model's id, context length and chat template (after ``start``)."""
+        ...
+
+    async def health(self) -> HealthStatus:
+        """Cheap liveness probe (no generation)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the model, threads and connections. Idempotent."""
+        ...
