@@ -1,0 +1,483 @@
+"""The ``openai`` backend: any OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM,
+llama-server, another infermux) reached over HTTP with ``httpx``.
+
+Upstream requests always stream (``stream: true`` with ``stream_options.include_usage``),
+whatever the client asked, so the first token is seen as soon as it exists and usage arrives
+in the last event; the gateway assembles non-streaming answers. Closing the iterator closes
+the upstream response, which makes the upstream abort the generation.
+
+Errors are translated here, at the boundary::
+
+    connection refused / reset before a response  -> BackendUnavailableError   (retryable)
+    connect timeout, no first event in time        -> UpstreamTimeoutError      (retryable)
+    429 (+ Retry-After)                            -> UpstreamRateLimitError    (retryable)
+    5xx, error event before any output             -> UpstreamStatusError       (retryable)
+    401/403 (the gateway's upstream key is bad)    -> BackendError
+    other 4xx                                      -> InvalidRequestError / NotFoundError,
+                                                      with the upstream's message and param
+    silence between events past the idle timeout   -> StreamIdleTimeoutError
+    stream broken or cut short after output began  -> BackendError
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import msgspec
+
+from backends._openai_wire import ErrorBody, StreamChunk, chat_logprobs, completion_logprobs
+from backends._option import BackendOptionError, decode_options
+from backends._sse import SSEParser
+from backends.base import (
+    BackendConfig,
+    Capabilities,
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    HealthStatus,
+    ModelInfo,
+    Usage,
+)
+from backends.errors import (
+    BackendError,
+    BackendUnavailableError,
+    InfermuxError,
+    InvalidRequestError,
+    NotFoundError,
+    RequestTooLargeError,
+    StreamIdleTimeoutError,
+    UnsupportedParameterError,
+    UpstreamRateLimitError,
+    UpstreamStatusError,
+    UpstreamTimeoutError,
+)
+
+__all__ = ["OpenAICompatBackend", "OpenAICompatOptions", "create_backend"]
+
+_MAX_ERROR_BODY = 64 * 1024
+_FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "tool_calls", "content_filter"})
+_chunk_decoder = msgspec.json.Decoder(StreamChunk)
+_error_decoder = msgspec.json.Decoder(ErrorBody)
+
+
+class OpenAICompatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a ``kind = "openai"`` backend."""
+
+    #: The upstream's API root, e.g. ``http://10.0.0.5:8000/v1``.
+    base_url: str
+    #: The upstream's model name (default: the alias the client asked for).
+    model: str | None = None
+    #: NAME of the environment variable holding the upstream API key (never the key itself).
+    api_key_env: str | None = None
+    #: Extra headers sent upstream with every request.
+    headers: dict[str, str] = {}
+    #: Reported by ``model_info()`` (the upstream's own limit still applies).
+    context_length: int | None = None
+    max_connections: int = 256
+    verify_tls: bool = True
+
+
+class OpenAICompatBackend:
+    """A remote OpenAI-compatible server; see the module docstring for error mapping."""
+
+    kind = "openai"
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.name = config.name
+        self.config = config
+        self.options = decode_options(config, OpenAICompatOptions)
+        prefix = f"backends.{config.name}.options"
+        url = httpx.URL(self.options.base_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise BackendOptionError(
+                f"{prefix}.base_url: expected an http(s) URL such as http://host:8000/v1, "
+                f"got {self.options.base_url!r}"
+            )
+        if any(h.lower() == "authorization" for h in self.options.headers):
+            raise BackendOptionError(
+                f"{prefix}.headers: put the key in an environment variable and name it in "
+                f"{prefix}.api_key_env instead of an Authorization header"
+            )
+        self.capabilities = Capabilities(logprobs=True, echo=True, max_top_logprobs=20)
+        self._base_url = self.options.base_url.rstrip("/")
+        self._client: httpx.AsyncClient | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the connection pool (nothing is sent until the first request)."""
+        if self._client is not None:
+            return
+        headers = dict(self.options.headers)
+        env_name = self.options.api_key_env
+        if env_name is not None:
+            key = os.environ.get(env_name)
+            if not key:
+                raise BackendUnavailableError(
+                    f"backend {self.name!r}: the environment variable {env_name} named by "
+                    f"backends.{self.name}.options.api_key_env is not set"
+                )
+            headers["authorization"] = f"Bearer {key}"
+        config = self.config
+        limits = httpx.Limits(
+            max_connections=self.options.max_connections,
+            max_keepalive_connections=self.options.max_connections,
+        )
+        # Reads are bounded by our own first-byte / idle / total deadlines, not httpx's.
+        timeout = httpx.Timeout(
+            connect=config.connect_timeout,
+            read=None,
+            write=config.connect_timeout,
+            pool=config.first_byte_timeout,
+        )
+        self._client = httpx.AsyncClient(
+            headers=headers, timeout=timeout, limits=limits, verify=self.options.verify_tls
+        )
+
+    def model_info(self) -> ModelInfo:
+        """The upstream model name and the configured context length."""
+        return ModelInfo(
+            id=self.options.model or self.name,
+            context_length=self.options.context_length,
+            owned_by="upstream",
+        )
+
+    async def health(self) -> HealthStatus:
+        """``GET {base_url}/models`` answers 200."""
+        client = await self._ensure_client()
+        try:
+            response = await client.get(f"{self._base_url}/models", timeout=5.0)
+        except httpx.HTTPError as exc:
+            return HealthStatus(ok=False, detail=f"{type(exc).__name__}: {exc}")
+        return HealthStatus(ok=response.status_code == 200, detail=f"HTTP {response.status_code}")
+
+    async def aclose(self) -> None:
+        """Close the connection pool. Idempotent."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def _ensure_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            await self.start()
+        assert self._client is not None
+        return self._client
+
+    # -- serving --------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream one choice from the upstream; closing the iterator closes the upstream stream."""
+        return self._generate(request)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        client = await self._ensure_client()
+        path, body = self._body(request)
+        headers = {"x-request-id": request.request_id}
+        if request.traceparent:
+            headers["traceparent"] = request.traceparent
+        http_request = client.build_request(
+            "POST", self._base_url + path, content=body, headers=headers
+        )
+        config = self.config
+        started = time.monotonic()
+        total_deadline = _earliest(
+            started + config.total_timeout if config.total_timeout is not None else None,
+            request.deadline,
+        )
+        first_deadline = _earliest(
+            started + config.first_byte_timeout if config.first_byte_timeout is not None else None,
+            total_deadline,
+        )
+        response = await self._send(client, http_request, first_deadline)
+        try:
+            if response.status_code != 200:
+                raise await self._status_error(response)
+            async for chunk in self._events(
+                request, response, first_deadline=first_deadline, total_deadline=total_deadline
+            ):
+                yield chunk
+        finally:
+            await response.aclose()
+
+    async def _send(
+        self, client: httpx.AsyncClient, http_request: httpx.Request, deadline: float | None
+    ) -> httpx.Response:
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                return await client.send(http_request, stream=True)
+        except TimeoutError as exc:
+            raise UpstreamTimeoutError(
+                f"backend {self.name!r}: no response from {http_request.url.host} within the "
+                "first-byte timeout"
+            ) from exc
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeoutError(
+                f"backend {self.name!r}: timed out connecting to {http_request.url.host}: {exc}"
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise BackendUnavailableError(
+                f"backend {self.name!r}: cannot reach {http_request.url.host}:"
+                f"{http_request.url.port}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _events(
+        self,
+        request: GenerationRequest,
+        response: httpx.Response,
+        *,
+        first_deadline: float | None,
+        total_deadline: float | None,
+    ) -> AsyncIterator[GenerationChunk]:
+        is_chat = request.kind == "chat"
+        idle_timeout = self.config.idle_timeout
+        parser = SSEParser()
+        stream = response.aiter_bytes()
+        # Completions ``echo`` goes out with the first real output, never before it: a chunk
+        # sent before the upstream answered would hide a failure from the router's retries.
+        pending_prompt: str | None = (
+            request.prompt if request.params.echo and isinstance(request.prompt, str) else None
+        )
+        has_output = False
+        finish_reason: FinishReason | None = None
+        usage: Usage | None = None
+        done = False
+        while not done:
+            if has_output:
+                deadline = _earliest(
+                    time.monotonic() + idle_timeout if idle_timeout is not None else None,
+                    total_deadline,
+                )
+            else:
+                deadline = first_deadline
+            try:
+                async with asyncio.timeout_at(_loop_time(deadline)):
+                    data = await anext(stream, None)
+            except TimeoutError as exc:
+                raise self._timeout_error(has_output, total_deadline) from exc
+            except httpx.HTTPError as exc:
+                raise self._broken_error(has_output, f"{type(exc).__name__}: {exc}") from exc
+            payloads = parser.feed(data) if data is not None else parser.close()
+            for payload in payloads:
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                try:
+                    event = _chunk_decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    raise self._broken_error(has_output, f"undecodable event: {exc}") from exc
+                if event.error is not None:
+                    raise self._broken_error(has_output, f"error event: {event.error.message}")
+                if event.usage is not None:
+                    usage = event.usage.to_usage()
+                if not event.choices:
+                    continue
+                choice = event.choices[0]
+                if choice.finish_reason is not None:
+                    reason = choice.finish_reason
+                    finish_reason = reason if reason in _FINISH_REASONS else "stop"  # type: ignore[assignment]
+                if is_chat:
+                    text = choice.delta.content if choice.delta is not None else None
+                    logprobs = chat_logprobs(choice.logprobs)
+                else:
+                    text = choice.text
+                    logprobs = completion_logprobs(choice.logprobs)
+                if text or logprobs:
+                    has_output = True
+                    yield GenerationChunk(
+                        text=text or "", logprobs=logprobs, prompt_text=pending_prompt
+                    )
+                    pending_prompt = None
+            if data is None:
+                break
+        if finish_reason is None:
+            raise self._broken_error(has_output, "the upstream closed the stream before finishing")
+        if pending_prompt is not None:
+            yield GenerationChunk(prompt_text=pending_prompt)
+        yield GenerationChunk(finish_reason=finish_reason, usage=usage)
+
+    def _timeout_error(self, has_output: bool, total_deadline: float | None) -> InfermuxError:
+        if total_deadline is not None and time.monotonic() >= total_deadline:
+            return UpstreamTimeoutError(f"backend {self.name!r}: the total timeout passed")
+        if not has_output:
+            return UpstreamTimeoutError(
+                f"backend {self.name!r}: no output within the first-byte timeout"
+            )
+        return StreamIdleTimeoutError(
+            f"backend {self.name!r}: the stream was silent longer than the idle timeout "
+            f"({self.config.idle_timeout} s)"
+        )
+
+    def _broken_error(self, has_output: bool, detail: str) -> InfermuxError:
+        message = f"backend {self.name!r}: the upstream stream broke: {detail}"
+        # Before any output the router may still try elsewhere; after, it must not.
+        return BackendError(message) if has_output else UpstreamStatusError(message)
+
+    async def _status_error(self, response: httpx.Response) -> InfermuxError:
+        status = response.status_code
+        message, param, code = await _read_error(response)
+        retry_after = _retry_after(response.headers)
+        where = f"backend {self.name!r}"
+        if status == 429:
+            return UpstreamRateLimitError(
+                f"{where}: the upstream is rate limiting: {message}", retry_after=retry_after
+            )
+        if status >= 500:
+            return UpstreamStatusError(
+                f"{where}: the upstream answered {status}: {message}", retry_after=retry_after
+            )
+        if status in (401, 403):
+            return BackendError(
+                f"{where}: the upstream refused the gateway's credentials ({status}): {message}; "
+                f"check backends.{self.name}.options.api_key_env"
+            )
+        if status == 404:
+            return NotFoundError(message, param=param, code=code)
+        if status == 408:
+            return UpstreamTimeoutError(f"{where}: the upstream timed out (408): {message}")
+        if status == 413:
+            return RequestTooLargeError(message, param=param)
+        if status >= 400:
+            return InvalidRequestError(message, param=param, code=code)
+        return UpstreamStatusError(f"{where}: unexpected upstream status {status}")
+
+    def _body(self, request: GenerationRequest) -> tuple[str, bytes]:
+        """Upstream path and JSON body for ``request`` (always streaming, with usage)."""
+        params = request.params
+        body: dict[str, Any] = {
+            "model": self.options.model or request.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        want_logprobs = params.logprobs or params.top_logprobs > 0
+        if request.kind == "chat":
+            path = "/chat/completions"
+            body["messages"] = [
+                {"role": m.role, "content": m.content}
+                | ({"name": m.name} if m.name is not None else {})
+                for m in request.messages or ()
+            ]
+            if want_logprobs:
+                body["logprobs"] = True
+                if params.top_logprobs:
+                    body["top_logprobs"] = params.top_logprobs
+        else:
+            path = "/completions"
+            prompt = request.prompt
+            body["prompt"] = list(prompt) if isinstance(prompt, tuple) else (prompt or "")
+            if params.echo:
+                # Echo is answered here from the prompt text; prompt logprobs would need the
+                # upstream's echo, whose streamed shape differs between servers.
+                if want_logprobs:
+                    raise UnsupportedParameterError(
+                        "echo with logprobs is not supported by backends of kind 'openai'",
+                        param="echo",
+                    )
+                if not isinstance(prompt, str):
+                    raise UnsupportedParameterError(
+                        "echo needs a text prompt on backends of kind 'openai'", param="echo"
+                    )
+            if want_logprobs:
+                body["logprobs"] = params.top_logprobs
+        if params.max_tokens is not None:
+            body["max_tokens"] = params.max_tokens
+        body["temperature"] = params.temperature
+        body["top_p"] = params.top_p
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.presence_penalty:
+            body["presence_penalty"] = params.presence_penalty
+        if params.frequency_penalty:
+            body["frequency_penalty"] = params.frequency_penalty
+        if request.user is not None:
+            body["user"] = request.user
+        if request.response_format is not None:
+            body["response_format"] = request.response_format
+        # vLLM/SGLang extensions: sent only when used, since OpenAI itself rejects them.
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.min_p:
+            body["min_p"] = params.min_p
+        if params.repetition_penalty != 1.0:
+            body["repetition_penalty"] = params.repetition_penalty
+        if params.ignore_eos:
+            body["ignore_eos"] = True
+        if params.stop_token_ids:
+            body["stop_token_ids"] = list(params.stop_token_ids)
+        return path, msgspec.json.encode(body)
+
+
+async def _read_error(response: httpx.Response) -> tuple[str, str | None, str | None]:
+    """Message, param and code of an upstream error body (bounded read)."""
+    raw = b""
+    try:
+        async for piece in response.aiter_bytes():
+            raw += piece
+            if len(raw) > _MAX_ERROR_BODY:
+                break
+    except httpx.HTTPError:
+        pass
+    status = response.status_code
+    fallback = f"the upstream answered HTTP {status}"
+    try:
+        body = _error_decoder.decode(raw[:_MAX_ERROR_BODY])
+    except msgspec.DecodeError:
+        text = raw[:500].decode("utf-8", errors="replace").strip()
+        return (text or fallback), None, None
+    error = body.error
+    if isinstance(error, str):
+        return error, None, None
+    if error is not None:
+        code = error.code if isinstance(error.code, str) else None
+        return error.message or fallback, error.param, code
+    if body.message:
+        return body.message, None, None
+    if isinstance(body.detail, str):
+        return body.detail, None, None
+    return fallback, None, None
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """Seconds from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date)."""
+    value = headers.get("retry-after-ms")
+    if value is not None:
+        try:
+            return max(0.0, float(value) / 1000.0)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _earliest(*deadlines: float | None) -> float | None:
+    present = [d for d in deadlines if d is not None]
+    return min(present) if present else None
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """A ``time.monotonic()`` deadline in the running loop's clock (for ``asyncio.timeout_at``)."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
+
+
+def create_backend(config: BackendConfig) -> OpenAICompatBackend:
+    """Factory registered for kind ``"openai"``."""
+    return OpenAICompatBackend(config)

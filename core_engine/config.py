@@ -1,0 +1,58 @@
+"""Engine configuration: one frozen Struct, validated on construction."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = ["EngineConfig", "resolve_dtype"]
+
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How to build an :class:`~core_engine.llm_engine.LLMEngine`.
+
+    The KV pool is ``kv_cache_memory_bytes // bytes_per_block`` blocks of ``block_size`` tokens,
+    allocated once at start-up (see :mod:`core_engine.paged_attention` for the layout).
+    """
+
+    model_path: str
+    #: "auto": bfloat16 where the CPU/GPU runs bf16 matmuls natively, else float32.
+    dtype: DType = "auto"
+    device: str = "cpu"
+    #: Memory for the KV-cache pool (all layers, K and V).
+    kv_cache_memory_bytes: int = 512 * 2**20
+    block_size: int = 16
+    #: Chunked-prefill token budget per step (decodes count one token each).
+    max_num_batched_tokens: int = 512
+    #: Most requests in one step (the rest wait).
+    max_num_seqs: int = 128
+    #: Context window; None: the model's trained context length.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    #: torch intra-op threads on CPU (None: leave torch's setting alone).
+    num_threads: int | None = None
+    #: Seed of the generator used by requests that bring no seed (None: nondeterministic).
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_memory_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
+
+
+def resolve_dtype(name: str, device: str):  # -> torch.dtype (torch imported lazily)
+    """The torch dtype for ``name`` on ``device``; "auto" picks bf16 where it is fast."""
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    from core_engine.gguf_loader import preferred_dtype
+
+    return preferred_dtype(device)

@@ -1,0 +1,253 @@
+"""Load a Llama-architecture GGUF file into a :class:`~core_engine.model.llama.LlamaModel`.
+
+Weights of every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_1) are dequantised once at
+load into the compute dtype (bf16 on CPUs with native bf16 and on CUDA, fp32 otherwise): on CPU
+the dense bf16/fp32 matmuls beat torch's int4/int8 weight-only kernels by 2-4x (see
+``docs/core-engine.md``), at the price of 2-4x the memory of the quantised file.
+
+llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that its "normal" RoPE can
+rotate adjacent pairs ``(2i, 2i+1)``. The loader undoes that permutation, which moves pair
+members to ``(i, i + head_dim/2)`` — the rotate-half layout the model uses. q and k get the same
+permutation, so attention scores are unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from torch import Tensor
+from tqdm import tqdm
+
+from core_engine.model.config import LlamaConfig, RopeScaling
+from core_engine.model.llama import LlamaModel
+from core_engine.model.quant import dequantize
+from core_engine.tokenizer import Tokenizer
+
+__all__ = ["GGUFFile", "GGUFLoadError", "load_model", "preferred_dtype"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+
+
+class GGUFLoadError(ValueError):
+    """The file is not a GGUF this engine can run (message names the key or tensor at fault)."""
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def preferred_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bf16 where the hardware computes it natively (CUDA, AVX512-BF16/AMX CPUs), else fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+class GGUFFile:
+    """Metadata and tensors of one GGUF file (memory-mapped; tensors read on demand)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"model file not found: {self.path}")
+        try:
+            self._reader = GGUFReader(str(self.path))
+        except (ValueError, OSError) as exc:
+            raise GGUFLoadError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+        self._tensors: dict[str, ReaderTensor] = {t.name: t for t in self._reader.tensors}
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """All key/values, decoded to Python values (strings, numbers, lists)."""
+        return {key: field.contents() for key, field in self._reader.fields.items()}
+
+    @property
+    def architecture(self) -> str:
+        """``general.architecture`` (e.g. ``"llama"``)."""
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise GGUFLoadError(f"{self.path}: general.architecture is missing")
+        return arch
+
+    def _arch_key(self, key: str, default: Any = None, *, required: bool = False) -> Any:
+        full = f"{self.architecture}.{key}"
+        value = self.metadata.get(full, default)
+        if value is None and required:
+            raise GGUFLoadError(f"{self.path}: metadata key {full} is missing")
+        return value
+
+    def has_tensor(self, name: str) -> bool:
+        """True when the file holds a tensor called ``name``."""
+        return name in self._tensors
+
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        """GGML type of tensor ``name``."""
+        return GGMLQuantizationType(self._require(name).tensor_type)
+
+    def _require(self, name: str) -> ReaderTensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise GGUFLoadError(f"{self.path}: tensor {name} is missing") from None
+
+    def dequantized(self, name: str) -> Tensor:
+        """Tensor ``name`` as fp32, torch layout (rows first: a weight is (out, in))."""
+        tensor = self._require(name)
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists ne0 first
+        return dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type), shape, name=name)
+
+    def llama_config(self) -> LlamaConfig:
+        """Hyper-parameters for :class:`LlamaModel`, validated against what the engine supports."""
+        arch = self.architecture
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise GGUFLoadError(
+                f"{self.path}: architecture {arch!r} is not supported "
+                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+            )
+        hidden = int(self._arch_key("embedding_length", required=True))
+        num_heads = int(self._arch_key("attention.head_count", required=True))
+        num_kv_heads = int(self._arch_key("attention.head_count_kv", num_heads))
+        head_dim = int(self._arch_key("attention.key_length", hidden // num_heads))
+        rope_dim = int(self._arch_key("rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise GGUFLoadError(f"{self.path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
+        if num_heads % num_kv_heads:
+            raise GGUFLoadError(f"{self.path}: {num_heads} heads do not divide into {num_kv_heads} kv heads")
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        embed_rows = int(self._require("token_embd.weight").shape[-1])
+        vocab_size = int(self._arch_key("vocab_size", len(tokens) if tokens else embed_rows))
+        if vocab_size != embed_rows:
+            raise GGUFLoadError(f"{self.path}: vocab_size {vocab_size} != token_embd rows {embed_rows}")
+        return LlamaConfig(
+            architecture=arch,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(self._arch_key("feed_forward_length", required=True)),
+            num_layers=int(self._arch_key("block_count", required=True)),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rope_dim=rope_dim,
+            rope_theta=float(self._arch_key("rope.freq_base", 10000.0)),
+            rope_scaling=self._rope_scaling(),
+            rms_eps=float(self._arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+            context_length=int(self._arch_key("context_length", 4096)),
+            tie_word_embeddings=not self.has_tensor("output.weight"),
+            bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.metadata.get("tokenizer.ggml.eos_token_id"),
+            name=self.metadata.get("general.name"),
+        )
+
+    def _rope_scaling(self) -> RopeScaling | None:
+        kind = self._arch_key("rope.scaling.type")
+        factor = self._arch_key("rope.scaling.factor")
+        if kind is None and self._arch_key("rope.scale_linear") is not None:
+            kind, factor = "linear", self._arch_key("rope.scale_linear")
+        if kind in (None, "none") or factor in (None, 0.0, 1.0):
+            return None
+        if kind != "linear":
+            raise GGUFLoadError(f"{self.path}: RoPE scaling {kind!r} is not supported (only linear)")
+        return RopeScaling(kind="linear", factor=float(factor))
+
+    def tokenizer(self) -> Tokenizer:
+        """The file's tokenizer (``tokenizer.ggml.*`` metadata)."""
+        return Tokenizer.from_gguf_metadata(self.metadata)
+
+
+def _unpermute_rope_rows(weight: Tensor, num_heads: int) -> Tensor:
+    """Undo llama.cpp's q/k row permutation: (out, ...) rows per head go from pairs to halves."""
+    out = weight.shape[0]
+    head_dim = out // num_heads
+    # GGUF row h*D + 2j + s holds HF row h*D + s*D/2 + j.
+    return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
+    cfg = model.config
+    layer = model.layers[idx]
+    prefix = f"blk.{idx}."
+    q = _unpermute_rope_rows(gguf_file.dequantized(prefix + "attn_q.weight"), cfg.num_heads)
+    k = _unpermute_rope_rows(gguf_file.dequantized(prefix + "attn_k.weight"), cfg.num_kv_heads)
+    v = gguf_file.dequantized(prefix + "attn_v.weight")
+    layer.qkv_proj.copy_(torch.cat((q, k, v)))  # (q_size + 2 kv_size, hidden)
+    del q, k, v
+    if layer.qkv_bias is not None:
+        bq = _unpermute_rope_rows(gguf_file.dequantized(prefix + "attn_q.bias"), cfg.num_heads)
+        bk = _unpermute_rope_rows(gguf_file.dequantized(prefix + "attn_k.bias"), cfg.num_kv_heads)
+        layer.qkv_bias.copy_(torch.cat((bq, bk, gguf_file.dequantized(prefix + "attn_v.bias"))))
+    layer.o_proj.copy_(gguf_file.dequantized(prefix + "attn_output.weight"))
+    layer.attn_norm.copy_(gguf_file.dequantized(prefix + "attn_norm.weight"))
+    layer.ffn_norm.copy_(gguf_file.dequantized(prefix + "ffn_norm.weight"))
+    inter = cfg.intermediate_size
+    layer.gate_up_proj[:inter].copy_(gguf_file.dequantized(prefix + "ffn_gate.weight"))
+    layer.gate_up_proj[inter:].copy_(gguf_file.dequantized(prefix + "ffn_up.weight"))
+    layer.down_proj.copy_(gguf_file.dequantized(prefix + "ffn_down.weight"))
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    show_progress: bool | None = None,
+) -> tuple[LlamaModel, LlamaConfig, Tokenizer]:
+    """Read ``path`` and build the model, its config and its tokenizer.
+
+    ``dtype``: compute/storage dtype of the weights (``None``: :func:`preferred_dtype`).
+    ``show_progress``: a tqdm bar per layer (``None``: only on a terminal); the start and the
+    end of the load are logged either way.
+    """
+    started = time.perf_counter()
+    gguf_file = GGUFFile(path)
+    config = gguf_file.llama_config()
+    tokenizer = gguf_file.tokenizer()
+    dtype = dtype or preferred_dtype(device)
+    logger.info(
+        "loading %s (%s, %d layers, hidden %d) as %s on %s",
+        gguf_file.path.name, config.name or config.architecture, config.num_layers,
+        config.hidden_size, dtype, device,
+    )
+    freq_factors = gguf_file.dequantized("rope_freqs.weight") if gguf_file.has_tensor("rope_freqs.weight") else None
+    with torch.no_grad():
+        model = LlamaModel(
+            config,
+            dtype=dtype,
+            device=device,
+            qkv_bias=gguf_file.has_tensor("blk.0.attn_q.bias"),
+            rope_freq_factors=freq_factors,
+        )
+        steps = tqdm(
+            total=config.num_layers + 1, desc=f"loading {gguf_file.path.name}", unit="layer",
+            disable=(not show_progress) if show_progress is not None else None,
+        )
+        with steps:
+            model.embed_tokens.copy_(gguf_file.dequantized("token_embd.weight"))
+            model.norm.copy_(gguf_file.dequantized("output_norm.weight"))
+            if not config.tie_word_embeddings:
+                model.lm_head.copy_(gguf_file.dequantized("output.weight"))
+            steps.update(1)
+            for idx in range(config.num_layers):
+                _fill_layer(model, gguf_file, idx)
+                steps.update(1)
+    model.eval()
+    logger.info("loaded %s in %.1f s", gguf_file.path.name, time.perf_counter() - started)
+    return model, config, tokenizer
+
+
+def read_metadata(path: str | Path) -> Mapping[str, Any]:
+    """All GGUF key/values of ``path`` (handy for tools and tests)."""
+    return GGUFFile(path).metadata

@@ -1,0 +1,165 @@
+"""Block tables per request on top of the :class:`~core_engine.block_pool.BlockPool`, with
+prefix caching by chained block hashes.
+
+KV-cache layout (shared contract with ``core_engine/kernels`` and ``paged_attention``)
+-------------------------------------------------------------------------------------
+* One preallocated pool per model. For each layer ``l``: ``k_cache[l]`` and ``v_cache[l]``,
+  each ``(num_blocks, block_size, n_kv_heads, head_dim)``, contiguous, model dtype.
+* Token ``j`` of a sequence lives in block ``block_table[j // block_size]`` at offset
+  ``j % block_size``; its flat *slot* is ``block_id * block_size + offset`` (index into
+  ``k_cache[l].view(-1, n_kv_heads, head_dim)``).
+* A batch passes ``block_tables`` ``(num_seqs, max_blocks)`` int32 (rows padded with 0, never
+  read past the length) and ``context_lens`` ``(num_seqs,)`` int32 (tokens with K/V in the cache
+  *including* this step's, i.e. the attention length).
+* ``block_size`` is 16 by default.
+
+Prefix caching
+--------------
+Full blocks are keyed by ``blake2b(parent_hash + token ids)`` so a hash names the whole prefix.
+A new request walks its prompt's hashes and reuses every leading cached block (at least one
+token is always left to compute, so the request has logits to sample from). Freed blocks keep
+their hash until they are handed out again (LRU, see :mod:`core_engine.block_pool`).
+
+This class owns no tensors, so it is unit-tested without a model: ``KVCacheManager(num_blocks=8,
+block_size=4)`` is the simulated cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from core_engine.block_pool import BlockPool, KVCacheBlock
+from core_engine.request import Request
+
+__all__ = ["KVCacheManager", "hash_block_tokens"]
+
+_ROOT_HASH = b"infermux-kv-root"
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: it identifies the block *and* everything before it."""
+    h = hashlib.blake2b(parent_hash or _ROOT_HASH, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Which blocks each request holds; allocation with prefix reuse; freeing."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, *, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already registered in the cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        #: Prefix-cache counters (tokens queried / hit) for metrics.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.block_size)
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Leading cached blocks of ``request``'s known tokens and how many tokens they hold.
+
+        Pure lookup: nothing is referenced until :meth:`allocate_slots` takes them.
+        """
+        if not self.enable_caching or request.wants_prompt_logprobs:
+            return [], 0
+        # Leave at least one token to compute: the last position's logits are needed.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_hit_blocks * self.block_size)
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.num_queried_tokens += request.num_tokens
+        self.num_hit_tokens += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        ``new_computed_blocks`` are prefix hits from :meth:`get_computed_blocks` (first
+        scheduling only). Returns the newly allocated blocks, or None (and changes nothing)
+        when the pool is short; the scheduler then preempts or waits.
+        """
+        req_blocks = self.req_to_blocks.get(request.req_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        assert num_total <= request.num_tokens, "cannot allocate slots for unknown tokens"
+        num_new_blocks = self.num_blocks_for(num_total) - len(req_blocks) - len(new_computed_blocks)
+        # Reviving a free cached block consumes a free-queue entry too.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_revived > self.block_pool.num_free_blocks:
+            return None
+        if request.req_id not in self.req_to_blocks:
+            self.req_to_blocks[request.req_id] = req_blocks
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, num_total)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        # Blocks are registered as soon as their tokens are scheduled: the K/V of a step are
+        # written before any attention of that step reads them, so a same-step hit is safe.
+        num_full = num_tokens // self.block_size
+        start = self._num_cached_blocks.get(request.req_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request, num_full * self.block_size)
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release all of ``request``'s blocks now (finish, abort or preemption)."""
+        blocks = self.req_to_blocks.pop(request.req_id, None)
+        self._num_cached_blocks.pop(request.req_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

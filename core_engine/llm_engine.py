@@ -1,0 +1,263 @@
+"""The synchronous engine: requests in, :class:`~core_engine.output.RequestOutput` deltas out.
+
+``step()`` is the whole loop body: schedule, run the model, post-process (detokenize, stop
+strings, outputs). Not thread-safe: :class:`~core_engine.async_llm.AsyncLLM` drives it from one
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from core_engine.config import EngineConfig, resolve_dtype
+from core_engine.errors import InvalidParamError, RequestTooLongError
+from core_engine.kv_cache_manager import KVCacheManager
+from core_engine.model_runner import ModelRunner
+from core_engine.output import RequestMetrics, RequestOutput, TokenLogprobs
+from core_engine.paged_attention import KVCache
+from core_engine.request import Request, RequestStatus
+from core_engine.sampling_params import SamplingParams
+from core_engine.scheduler import Scheduler
+from core_engine.stop_checker import StopChecker
+from core_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = ["LLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+class _OutputState:
+    """Per-request post-processing state (text side)."""
+
+    __slots__ = ("detokenizer", "stop_checker", "num_emitted_tokens", "prompt_logprobs_sent")
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special=params.skip_special_tokens)
+        self.stop_checker = StopChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        self.num_emitted_tokens = 0
+        self.prompt_logprobs_sent = False
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model (see :mod:`core_engine.scheduler`)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        *,
+        dtype: torch.dtype,
+    ) -> None:
+        model_config: Any = model.config  # LlamaConfig
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = min(config.max_model_len or model_config.context_length, model_config.context_length)
+        block_bytes = KVCache.bytes_per_block(
+            num_layers=model_config.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            dtype=dtype,
+        )
+        num_blocks = config.kv_cache_memory_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"EngineConfig.kv_cache_memory_bytes={config.kv_cache_memory_bytes} is below one "
+                f"KV block ({block_bytes} bytes)"
+            )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.model_runner = ModelRunner(
+            model, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, device=config.device
+        )
+        self.eos_token_ids = frozenset(tokenizer.stop_token_ids)
+        self._states: dict[str, _OutputState] = {}
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.0f MiB, %s), max_model_len %d",
+            num_blocks, config.block_size, num_blocks * block_bytes / 2**20, dtype, self.max_model_len,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load the GGUF named by ``config.model_path`` and build the engine."""
+        from core_engine.gguf_loader import load_model
+
+        if config.num_threads is not None and config.device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        dtype = resolve_dtype(config.dtype, config.device)
+        model, _, tokenizer = load_model(config.model_path, dtype=dtype, device=config.device)
+        return cls(config, model, tokenizer, dtype=dtype)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        req_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and tokenize (no engine state touched: safe from any thread)."""
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt, add_special=True, parse_special=True)
+        else:
+            prompt_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise InvalidParamError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not prompt_ids:
+            raise InvalidParamError("the prompt is empty", param="prompt")
+        num_prompt = len(prompt_ids)
+        room = self.max_model_len - num_prompt
+        if params.max_tokens is None:
+            if room < 1:
+                raise RequestTooLongError(
+                    f"the prompt has {num_prompt} tokens; the context window is {self.max_model_len}",
+                    param="prompt",
+                )
+            max_tokens = room
+        elif params.max_tokens > room:
+            raise RequestTooLongError(
+                f"this model's context window is {self.max_model_len} tokens; the prompt has "
+                f"{num_prompt} and max_tokens asks for {params.max_tokens} more",
+                param="max_tokens",
+            )
+        else:
+            max_tokens = params.max_tokens
+        kv = self.kv_cache_manager
+        if kv.num_blocks_for(num_prompt + max_tokens) > kv.num_blocks:
+            raise RequestTooLongError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs more KV cache "
+                f"than the engine has ({kv.num_blocks * kv.block_size} tokens)",
+                param="max_tokens",
+            )
+        request = Request(
+            req_id, prompt_ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time,
+        )
+        if params.seed is not None and params.temperature > 0.0:
+            request.generator = torch.Generator(device=self.model_runner.device).manual_seed(params.seed)
+        return request
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt: str | Sequence[int] | Request,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request (a prompt, or a :class:`Request` from :meth:`make_request`)."""
+        if isinstance(prompt, Request):
+            request = prompt
+        else:
+            request = self.make_request(req_id, prompt, params or SamplingParams(), arrival_time=arrival_time)
+        if request.req_id in self.scheduler.requests:
+            raise InvalidParamError(f"request id {request.req_id!r} is already running", param="request_id")
+        self._states[request.req_id] = _OutputState(self.tokenizer, request.sampling_params)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, req_ids: str | Iterable[str]) -> None:
+        """Finish requests now (status ``FINISHED_ABORTED``); their KV blocks are freed at once."""
+        ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in ids:
+            self._states.pop(req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished_requests
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return the news of every request that made progress."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return [self._make_output(request) for request in updated]
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        state = self._states[request.req_id]
+        new_ids = request.output_token_ids[state.num_emitted_tokens :]
+        state.num_emitted_tokens = request.num_output_tokens
+        checker = state.stop_checker
+        text = checker.append(state.detokenizer.add_many(new_ids))
+        if checker.matched is None and request.is_finished:
+            text += checker.append(state.detokenizer.flush())
+            text += checker.flush()
+        if checker.matched is not None and request.stop_reason is None:
+            request.stop_reason = checker.matched
+            if request.is_finished:
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
+        logprobs: tuple[TokenLogprobs, ...] | None = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = tuple(request.pending_logprobs)  # type: ignore[arg-type]
+            request.pending_logprobs.clear()
+        prompt_logprobs = None
+        if (
+            request.wants_prompt_logprobs
+            and not state.prompt_logprobs_sent
+            and len(request.prompt_logprobs) >= request.num_prompt_tokens - 1
+        ):
+            prompt_logprobs = (None, *request.prompt_logprobs)
+            state.prompt_logprobs_sent = True
+        finished = request.is_finished
+        if finished:
+            self._states.pop(request.req_id, None)
+        return RequestOutput(
+            req_id=request.req_id,
+            new_token_ids=tuple(new_ids),
+            new_text=text,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            finished=finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=request.first_scheduled_time,
+                first_token_time=request.first_token_time,
+                finished_time=request.finished_time,
+            )
+            if finished
+            else None,
+        )
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_manager.num_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

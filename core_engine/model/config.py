@@ -1,0 +1,53 @@
+"""Hyper-parameters of a Llama-family model, read from GGUF metadata."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["LlamaConfig", "RopeScaling"]
+
+
+class RopeScaling(msgspec.Struct, kw_only=True, frozen=True):
+    """RoPE position scaling from ``{arch}.rope.scaling.*`` (only what we implement).
+
+    ``kind`` is ``"linear"`` (positions divided by ``factor``); per-dimension frequency factors
+    (Llama 3.x ``rope_freqs.weight``) are carried by the model weights, not here.
+    """
+
+    kind: str
+    factor: float
+
+
+class LlamaConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Everything the model and the engine need to know about one Llama-architecture file."""
+
+    architecture: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    #: Dimensions of each head that RoPE rotates (the loader requires ``== head_dim``).
+    rope_dim: int
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    rms_eps: float
+    #: Trained context length (``{arch}.context_length``); the engine's default max length.
+    context_length: int
+    #: True when the file has no ``output.weight``: the LM head reuses the token embedding.
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    name: str | None = None
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection (``num_heads * head_dim``)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each of the key and value projections (``num_kv_heads * head_dim``)."""
+        return self.num_kv_heads * self.head_dim

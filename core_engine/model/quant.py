@@ -1,0 +1,104 @@
+"""Vectorised dequantisation of GGUF tensor data (F32, F16, BF16, Q8_0, Q4_0, Q4_1) to torch.
+
+Each GGML block type packs 32 weights of one row: a float16 scale ``d`` (and for Q4_1 a
+float16 minimum ``m``) followed by the quants. The formulas match ggml's reference
+``dequantize_row_*`` exactly, so a dequantised fp32 matrix is bit-identical to what ggml
+computes per block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import Tensor
+
+__all__ = ["SUPPORTED_TYPES", "UnsupportedTensorTypeError", "dequantize"]
+
+QK = 32  # weights per block for all the block types below
+
+
+class UnsupportedTensorTypeError(ValueError):
+    """A tensor uses a GGML type this engine cannot dequantise (message names it)."""
+
+
+def _f16(blocks: Tensor, start: int) -> Tensor:
+    """Read a float16 field at byte ``start`` of each block row → (n_blocks, 1) fp32."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: Tensor) -> Tensor:
+    """16 packed bytes per block → 32 quants: low nibbles are weights 0..15, high 16..31."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=1)  # (n_blocks, 32) uint8
+
+
+def _q8_0(blocks: Tensor) -> Tensor:
+    # block: d f16 | qs int8[32]
+    d = _f16(blocks, 0)
+    qs = blocks[:, 2:].contiguous().view(torch.int8)
+    return qs.float() * d
+
+
+def _q4_0(blocks: Tensor) -> Tensor:
+    # block: d f16 | qs u8[16]; w = (q - 8) * d
+    d = _f16(blocks, 0)
+    return (_nibbles(blocks[:, 2:]).float() - 8.0) * d
+
+
+def _q4_1(blocks: Tensor) -> Tensor:
+    # block: d f16 | m f16 | qs u8[16]; w = q * d + m
+    d = _f16(blocks, 0)
+    m = _f16(blocks, 2)
+    return _nibbles(blocks[:, 4:]).float() * d + m
+
+
+_BLOCK_DEQUANTIZERS = {
+    GGMLQuantizationType.Q8_0: (34, _q8_0),
+    GGMLQuantizationType.Q4_0: (18, _q4_0),
+    GGMLQuantizationType.Q4_1: (20, _q4_1),
+}
+
+SUPPORTED_TYPES = frozenset(
+    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    | set(_BLOCK_DEQUANTIZERS)
+)
+
+# Rows per chunk when dequantising block types: bounds the fp32 temporaries to ~64 MiB.
+_CHUNK_ELEMENTS = 16 * 1024 * 1024
+
+
+def dequantize(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], *, name: str = "tensor"
+) -> Tensor:
+    """Dequantise raw GGUF tensor ``data`` to an fp32 tensor of ``shape`` (torch order, rows first).
+
+    ``data`` is what :class:`gguf.GGUFReader` exposes (a possibly read-only memmap view);
+    ``shape`` is the logical shape with the innermost (contiguous) dimension last.
+    """
+    numel = int(np.prod(shape))
+    if qtype == GGMLQuantizationType.F32:
+        flat = torch.from_numpy(np.array(data, dtype=np.float32, copy=True).reshape(-1))
+    elif qtype == GGMLQuantizationType.F16:
+        flat = torch.from_numpy(np.array(data, dtype=np.float16, copy=True).reshape(-1)).float()
+    elif qtype == GGMLQuantizationType.BF16:
+        raw = np.asarray(data).reshape(-1).view(np.uint16).astype(np.uint32)
+        # bf16 is the high half of an fp32: shift the 16 bits into place.
+        flat = torch.from_numpy((raw << 16).view(np.float32))
+    elif qtype in _BLOCK_DEQUANTIZERS:
+        block_bytes, fn = _BLOCK_DEQUANTIZERS[qtype]
+        raw = np.array(data, copy=True).reshape(-1).view(np.uint8)
+        blocks = torch.from_numpy(raw).view(-1, block_bytes)  # (n_blocks, block_bytes)
+        if blocks.shape[0] * QK != numel:
+            raise UnsupportedTensorTypeError(
+                f"{name}: {blocks.shape[0]} {qtype.name} blocks do not hold {numel} weights"
+            )
+        step = max(1, _CHUNK_ELEMENTS // QK)
+        flat = torch.cat([fn(blocks[i : i + step]) for i in range(0, blocks.shape[0], step)]).view(-1)
+    else:
+        raise UnsupportedTensorTypeError(
+            f"{name}: tensor type {qtype.name} is not supported "
+            f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+        )
+    if flat.numel() != numel:
+        raise UnsupportedTensorTypeError(f"{name}: {flat.numel()} values for shape {shape}")
+    return flat.view(shape)

@@ -1,0 +1,56 @@
+"""Rotary position embedding (rotate-half layout) with the scalings the loader understands."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from core_engine.model.config import LlamaConfig
+
+__all__ = ["RotaryEmbedding", "apply_rotary"]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs ``(i, i + D/2)`` of ``x`` (T, n, D) by the angles whose cos/sin are (T, 1, D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (T, n, D/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, n, D)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to the context length, looked up per step.
+
+    The angle of pair ``i`` at position ``p`` is ``p * scale / freq_factor[i] * theta^(-2i/D)``
+    (llama.cpp's ``rope_ext`` without YaRN): ``scale`` is ``1/factor`` for linear scaling and
+    ``freq_factors`` come from a ``rope_freqs.weight`` tensor (Llama 3.x long-context models).
+    Tables are computed in float64 and stored in ``dtype``.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        freq_factors: Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        half = config.rope_dim // 2
+        exponent = torch.arange(half, dtype=torch.float64) * 2.0 / config.rope_dim
+        inv_freq = config.rope_theta ** (-exponent)  # (D/2,)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.to(torch.float64)
+        positions = torch.arange(config.context_length, dtype=torch.float64)
+        if config.rope_scaling is not None and config.rope_scaling.kind == "linear":
+            positions = positions / config.rope_scaling.factor
+        angles = torch.outer(positions, inv_freq)  # (max_positions, D/2)
+        self.register_buffer("cos", angles.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(device=device, dtype=dtype), persistent=False)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions covered by the tables (the model's context length)."""
+        return self.cos.shape[0]
+
+    def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin for ``positions`` (T,), each shaped (T, 1, D/2) to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

@@ -1,0 +1,136 @@
+"""Runs one scheduled step: flat inputs -> model forward over the paged KV cache -> sampling.
+
+Stateless across steps apart from the KV pool: every step rebuilds its inputs from the
+:class:`~core_engine.scheduler.SchedulerOutput` (a handful of tensor constructions, cheap next
+to the forward pass).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from core_engine.paged_attention import KVCache, PagedAttention, build_attention_metadata
+from core_engine.request import Request
+from core_engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from core_engine.scheduler import ModelRunnerOutput, SchedulerOutput
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and the sampler; :meth:`execute_model` runs one step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        config: Any = model.config  # LlamaConfig
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.vocab_size: int = config.vocab_size
+        self.kv_cache = KVCache(
+            num_layers=config.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.attn = PagedAttention(self.kv_cache, num_heads=config.num_heads)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward the step's tokens, sample where a chunk reaches the end of its known tokens."""
+        scheduled = scheduler_output.scheduled
+        input_ids: list[int] = []
+        positions: list[int] = []
+        decodes: list[tuple[int, list[int]]] = []
+        prefills: list[tuple[int, int, list[int]]] = []
+        logits_indices: list[int] = []
+        # Per scheduled request: (first logits row, number of prompt-logprob rows) or None.
+        prompt_rows: list[tuple[int, int] | None] = []
+        sample_reqs: list[Request] = []
+        sample_rows: list[int] = []
+        for item in scheduled:
+            request = item.request
+            start, num_new = item.num_computed_tokens, item.num_new_tokens
+            end = start + num_new
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            token_offset = len(input_ids) - num_new
+            if num_new == 1 and start > 0:
+                assert not prefills, "decodes must precede prefills in a step"
+                decodes.append((start, item.block_ids))
+            else:
+                prefills.append((start, num_new, item.block_ids))
+            prompt_rows.append(None)
+            if request.wants_prompt_logprobs:
+                # Position p predicts prompt token p + 1; skip rows already computed before a
+                # preemption (the list only grows).
+                first = max(start, len(request.prompt_logprobs))
+                last = min(end, request.num_prompt_tokens - 1)
+                if first < last:
+                    prompt_rows[-1] = (len(logits_indices), last - first)
+                    logits_indices.extend(range(token_offset + first - start, token_offset + last - start))
+            if item.sample:
+                sample_rows.append(len(logits_indices))
+                logits_indices.append(len(input_ids) - 1)
+                sample_reqs.append(request)
+
+        device = self.device
+        self.attn.prepare(
+            build_attention_metadata(
+                block_size=self.block_size,
+                decodes=decodes,
+                prefills=prefills,
+                device=device,
+                use_kernel=self.attn.uses_kernel,
+            )
+        )
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self.attn,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+        )  # (N, vocab) float32
+
+        sampled: list[int | None] = [None] * len(scheduled)
+        logprobs: list[object | None] | None = None
+        if sample_reqs:
+            rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
+            metadata = SamplingMetadata.from_requests(sample_reqs, self.vocab_size, device)
+            out = self.sampler(rows, metadata)
+            j = 0
+            if out.logprobs is not None:
+                logprobs = [None] * len(scheduled)
+            for i, item in enumerate(scheduled):
+                if item.sample:
+                    sampled[i] = out.sampled_token_ids[j]
+                    if logprobs is not None and out.logprobs is not None:
+                        logprobs[i] = out.logprobs[j]
+                    j += 1
+
+        prompt_logprobs: list[list[object] | None] | None = None
+        if any(r is not None for r in prompt_rows):
+            prompt_logprobs = [None] * len(scheduled)
+            for i, (item, rows_span) in enumerate(zip(scheduled, prompt_rows, strict=True)):
+                if rows_span is None:
+                    continue
+                row0, count = rows_span
+                request = item.request
+                first = max(item.num_computed_tokens, len(request.prompt_logprobs))
+                targets = request.prompt_token_ids[first + 1 : first + 1 + count]
+                num_top = request.sampling_params.prompt_logprobs or 0
+                prompt_logprobs[i] = list(compute_prompt_logprobs(logits[row0 : row0 + count], targets, num_top))
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

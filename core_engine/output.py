@@ -1,0 +1,69 @@
+"""What the engine hands back per request and step (deltas), and the final offline result."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["GenerationOutput", "RequestMetrics", "RequestOutput", "TokenLogprobs"]
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Logprob of one token under the model (raw logits, before sampling transforms) and the
+    top alternatives at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    #: ``(token_id, logprob)`` pairs; as many as the request asked for.
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class RequestMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """``time.monotonic()`` stamps of one request (None until reached)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """One step's news for one request: tokens and text produced since the previous output.
+
+    Text never splits a UTF-8 character and never contains a (partial) stop string; the last
+    output of a request has ``finished=True`` and its ``finish_reason``.
+    """
+
+    req_id: str
+    new_token_ids: tuple[int, ...] = ()
+    new_text: str = ""
+    #: One record per new token (when ``logprobs`` was asked for), else None.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    #: Per prompt token (the first is None: nothing predicts it); on the first output only.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    finished: bool = False
+    #: "stop" | "length" | "abort" when finished.
+    finish_reason: str | None = None
+    #: The stop string or stop token id that matched, if any.
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    #: Output tokens so far (cumulative).
+    num_output_tokens: int = 0
+    #: Prompt tokens served from the prefix cache (None before first scheduling).
+    num_cached_tokens: int | None = None
+    metrics: RequestMetrics | None = None
+
+
+class GenerationOutput(msgspec.Struct, kw_only=True):
+    """The whole result of one offline generation (``LLM.generate``)."""
+
+    req_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None
+    metrics: RequestMetrics | None = None

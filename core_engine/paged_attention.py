@@ -1,0 +1,260 @@
+"""PagedAttention: the serving engine's :class:`~core_engine.attention.AttentionContext`.
+
+The K/V of every sequence live in one preallocated pool of fixed-size blocks
+(:class:`KVCache`); a sequence's block table says which blocks hold its tokens. Layout (the
+contract with ``core_engine/kernels``, also in :mod:`core_engine.kv_cache_manager`):
+
+* ``k_caches[l]``, ``v_caches[l]``: ``(num_blocks, block_size, n_kv_heads, head_dim)`` per layer,
+  contiguous, views into one allocation;
+* token ``j`` of a sequence is at ``slot = block_table[j // block_size] * block_size +
+  j % block_size`` of ``k_caches[l].view(-1, n_kv_heads, head_dim)``;
+* decode batches pass ``block_tables`` ``(num_seqs, max_blocks)`` int32 and ``context_lens``
+  ``(num_seqs,)`` int32 (attention length including the new token).
+
+One step's tokens are laid out decodes first (one token each), then prefill chunks. Per layer,
+:meth:`PagedAttention.forward` first writes the step's new K/V into their slots (so a prefix
+block cached by another request this same step is already filled when read), then attends:
+decodes in one batched call, each prefill chunk causally over its cached prefix plus itself.
+On CUDA the decode uses the Triton paged-decode kernel of ``core_engine.kernels`` when present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["AttentionMetadata", "KVCache", "PagedAttention", "PrefillSpan"]
+
+
+class KVCache:
+    """The preallocated K/V pool of all layers (see the module docstring for the layout)."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        # (layers, 2, num_blocks, block_size, n_kv_heads, head_dim): one allocation for all.
+        self.storage = torch.zeros(
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        self.k_caches = [self.storage[i, 0] for i in range(num_layers)]
+        self.v_caches = [self.storage[i, 1] for i in range(num_layers)]
+        # Flat slot views, (num_blocks * block_size, n_kv_heads, head_dim).
+        self.k_slots = [c.view(-1, num_kv_heads, head_dim) for c in self.k_caches]
+        self.v_slots = [c.view(-1, num_kv_heads, head_dim) for c in self.v_caches]
+
+    @staticmethod
+    def bytes_per_block(
+        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one block costs across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One prefill chunk of the step: tokens ``[token_start, token_end)`` of the flat batch."""
+
+    token_start: int
+    token_end: int
+    #: Tokens of this sequence already cached before the chunk (its first position).
+    num_computed_tokens: int
+    #: (context_len,) slots of the whole context (prefix + chunk); None when there is no
+    #: prefix, so the chunk attends over its own k/v directly.
+    context_slots: Tensor | None
+    #: (chunk, context_len) bool causal mask; None with no prefix (plain causal).
+    mask: Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step inputs of the paged attention, built once and reused by every layer."""
+
+    #: (T,) int64 slot of each new token.
+    slot_mapping: Tensor
+    num_decodes: int
+    #: (D, max_blocks) int32 and (D,) int32 for the decodes (see layout).
+    block_tables: Tensor | None
+    context_lens: Tensor | None
+    #: CPU decode path: (D * S,) slots of each decode's context, padded, and (D, 1, 1, S) mask.
+    decode_slots: Tensor | None
+    decode_mask: Tensor | None
+    prefills: list[PrefillSpan]
+
+
+def build_attention_metadata(
+    *,
+    block_size: int,
+    decodes: Sequence[tuple[int, Sequence[int]]],
+    prefills: Sequence[tuple[int, int, Sequence[int]]],
+    device: torch.device,
+    use_kernel: bool,
+) -> AttentionMetadata:
+    """Build the metadata of one step.
+
+    ``decodes``: ``(position, block_ids)`` per decode sequence (one new token at ``position``).
+    ``prefills``: ``(num_computed_tokens, num_new_tokens, block_ids)`` per prefill chunk.
+    """
+    slots: list[int] = []
+    for pos, blocks in decodes:
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    spans: list[PrefillSpan] = []
+    start = len(decodes)
+    offsets = torch.arange(block_size, device=device)
+    for num_computed, num_new, blocks in prefills:
+        end_pos = num_computed + num_new
+        ctx_slots = (torch.tensor(blocks, device=device).unsqueeze(1) * block_size + offsets).view(-1)
+        new_slots = ctx_slots[num_computed:end_pos]
+        slots.extend(new_slots.tolist())
+        if num_computed == 0:
+            spans.append(PrefillSpan(start, start + num_new, 0, None, None))
+        else:
+            q_pos = torch.arange(num_computed, end_pos, device=device).unsqueeze(1)  # (chunk, 1)
+            mask = torch.arange(end_pos, device=device).unsqueeze(0) <= q_pos  # (chunk, S)
+            spans.append(PrefillSpan(start, start + num_new, num_computed, ctx_slots[:end_pos], mask))
+        start += num_new
+    block_tables = context_lens = decode_slots = decode_mask = None
+    if decodes:
+        max_blocks = max(len(b) for _, b in decodes)
+        block_tables = torch.tensor(
+            [list(b) + [0] * (max_blocks - len(b)) for _, b in decodes], dtype=torch.int32, device=device
+        )  # (D, max_blocks)
+        context_lens = torch.tensor([pos + 1 for pos, _ in decodes], dtype=torch.int32, device=device)
+        if not use_kernel:
+            max_len = max(pos + 1 for pos, _ in decodes)
+            # (D, max_blocks * block_size) -> the first max_len slots of each context.
+            decode_slots = (
+                (block_tables.long().unsqueeze(2) * block_size + offsets).flatten(1)[:, :max_len].reshape(-1)
+            )  # (D * max_len,)
+            decode_mask = (
+                torch.arange(max_len, device=device).unsqueeze(0) < context_lens.unsqueeze(1)
+            ).view(len(decodes), 1, 1, max_len)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        num_decodes=len(decodes),
+        block_tables=block_tables,
+        context_lens=context_lens,
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=spans,
+    )
+
+
+def _load_kernels(device: torch.device) -> tuple[Callable[..., Tensor], Callable[..., None]] | None:
+    """The Triton decode + cache-write kernels when they run on ``device`` (CUDA), else None."""
+    if device.type != "cuda":
+        return None
+    from core_engine.kernels.dispatch import use_triton  # lazy: CPU users never import triton
+
+    if not use_triton(device):  # pragma: no cover - CUDA only
+        return None
+    from core_engine.kernels.cache_write import reshape_and_cache  # pragma: no cover
+    from core_engine.kernels.paged_attention import paged_attention_decode  # pragma: no cover
+
+    return paged_attention_decode, reshape_and_cache  # pragma: no cover
+
+
+class PagedAttention:
+    """:class:`~core_engine.attention.AttentionContext` over a :class:`KVCache`.
+
+    Call :meth:`prepare` with the step's :class:`AttentionMetadata` before the model forward.
+    """
+
+    def __init__(self, kv_cache: KVCache, *, num_heads: int) -> None:
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.num_kv_heads = kv_cache.num_kv_heads
+        self.group = num_heads // kv_cache.num_kv_heads
+        self.head_dim = kv_cache.head_dim
+        self.scale = kv_cache.head_dim**-0.5
+        self.metadata: AttentionMetadata | None = None
+        device = kv_cache.storage.device
+        kernels = _load_kernels(device)
+        self._decode_kernel, self._cache_kernel = kernels if kernels is not None else (None, None)
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self._decode_kernel is not None
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        self.metadata = metadata
+
+    def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: (T, n_heads, hd); k, v: (T, n_kv_heads, hd). Returns (T, n_heads, hd)."""
+        md = self.metadata
+        assert md is not None, "PagedAttention.prepare() was not called"
+        k_slots = self.kv_cache.k_slots[layer_idx]
+        v_slots = self.kv_cache.v_slots[layer_idx]
+        if self._cache_kernel is not None:  # pragma: no cover - CUDA only
+            self._cache_kernel(
+                k, v, self.kv_cache.k_caches[layer_idx], self.kv_cache.v_caches[layer_idx], md.slot_mapping
+            )
+        else:
+            k_slots.index_copy_(0, md.slot_mapping, k)
+            v_slots.index_copy_(0, md.slot_mapping, v)
+        num_d = md.num_decodes
+        if not md.prefills:
+            return self._decode(layer_idx, q, md)
+        out = torch.empty_like(q)
+        if num_d:
+            out[:num_d] = self._decode(layer_idx, q[:num_d], md)
+        for span in md.prefills:
+            out[span.token_start : span.token_end] = self._prefill(
+                k_slots, v_slots, q[span.token_start : span.token_end],
+                k[span.token_start : span.token_end], v[span.token_start : span.token_end], span,
+            )
+        return out
+
+    def _decode(self, layer_idx: int, q: Tensor, md: AttentionMetadata) -> Tensor:
+        num_d = q.shape[0]
+        if self._decode_kernel is not None:  # pragma: no cover - CUDA only
+            return self._decode_kernel(
+                q, self.kv_cache.k_caches[layer_idx], self.kv_cache.v_caches[layer_idx],
+                md.block_tables, md.context_lens, self.scale,
+            )
+        assert md.decode_slots is not None and md.decode_mask is not None
+        # Gather each context's keys: (D*S, n_kv, hd) -> (D, n_kv, S, hd). index_select on the
+        # flat slot list is several times faster on CPU than advanced indexing.
+        shape = (num_d, md.decode_mask.shape[-1], self.num_kv_heads, self.head_dim)
+        keys = self.kv_cache.k_slots[layer_idx].index_select(0, md.decode_slots).view(shape).transpose(1, 2)
+        values = self.kv_cache.v_slots[layer_idx].index_select(0, md.decode_slots).view(shape).transpose(1, 2)
+        # The G query heads sharing a kv head act as G query rows: (D, n_kv, G, hd).
+        q_ = q.reshape(num_d, self.num_kv_heads, self.group, self.head_dim)
+        out = F.scaled_dot_product_attention(q_, keys, values, attn_mask=md.decode_mask, scale=self.scale)
+        return out.reshape(num_d, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self, k_slots: Tensor, v_slots: Tensor, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan
+    ) -> Tensor:
+        q_ = q.transpose(0, 1)  # (n_heads, Tq, hd)
+        if span.context_slots is None:
+            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+        else:
+            keys = k_slots.index_select(0, span.context_slots).transpose(0, 1)  # (n_kv, S, hd)
+            values = v_slots.index_select(0, span.context_slots).transpose(0, 1)
+            mask, causal = span.mask, False
+        out = F.scaled_dot_product_attention(
+            q_, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
+        )  # (n_heads, Tq, hd)
+        return out.transpose(0, 1)

@@ -1,0 +1,15 @@
+"""Tokenizers built from GGUF metadata (byte-level BPE) and streaming detokenization."""
+
+from __future__ import annotations
+
+from core_engine.tokenizer.bpe import TokenizerError, TokenType, Tokenizer
+from core_engine.tokenizer.detokenizer import IncrementalDetokenizer
+from core_engine.tokenizer.pre_tokenizer import UnsupportedPreTokenizerError
+
+__all__ = [
+    "IncrementalDetokenizer",
+    "TokenType",
+    "Tokenizer",
+    "TokenizerError",
+    "UnsupportedPreTokenizerError",
+]

@@ -1,0 +1,299 @@
+"""Byte-level BPE tokenizer built from GGUF metadata, token-for-token equal to llama.cpp.
+
+Encoding follows ``llama_vocab::tokenize``: special tokens are cut out of the text first
+(longest first), each remaining text fragment is split by the model's pre-tokenizer, every word
+is spelled in the byte-level alphabet and merged by BPE rank (lowest rank first, leftmost on
+ties). Words are cached, so long prompts with repeated words encode quickly.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from enum import IntEnum
+from typing import Any
+
+from core_engine.tokenizer.byte_level import decode_token_text, encode_bytes
+from core_engine.tokenizer.pre_tokenizer import PreTokenizer, pre_tokenizer_type
+
+__all__ = ["TokenType", "Tokenizer", "TokenizerError"]
+
+# Token texts llama.cpp treats as end-of-generation whatever the metadata says.
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+        "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+    }
+)
+_MAX_CACHED_WORDS = 200_000
+
+
+class TokenizerError(ValueError):
+    """The GGUF's tokenizer metadata is missing, unsupported or inconsistent (message says which)."""
+
+
+class TokenType(IntEnum):
+    """``tokenizer.ggml.token_type`` values."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+class Tokenizer:
+    """Text ↔ token ids for a byte-level BPE (``tokenizer.ggml.model == "gpt2"``) vocabulary."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        merges: Sequence[str],
+        *,
+        token_types: Sequence[int] | None = None,
+        pre: str | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        eot_token_id: int | None = None,
+        eom_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        add_bos: bool | None = None,
+        add_eos: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        kind, self._ignore_merges, default_add_bos = pre_tokenizer_type(pre)
+        self._pre_tokenizer = PreTokenizer(kind)
+        self.pre = pre
+        # llama.cpp renames empty entries so every id has a distinct text.
+        self._id_to_text = [text or f"[EMPTY_{i}]" for i, text in enumerate(tokens)]
+        self._text_to_id = {text: i for i, text in enumerate(self._id_to_text)}
+        types = list(token_types) if token_types is not None else [TokenType.NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise TokenizerError(f"{len(types)} token types for {len(tokens)} tokens")
+        self._ranks: dict[tuple[str, str], int] = {}
+        for rank, merge in enumerate(merges):
+            split_at = merge.find(" ", 1)
+            if split_at > 0:
+                self._ranks[(merge[:split_at], merge[split_at + 1 :])] = rank
+        for name, token_id in (("bos", bos_token_id), ("eos", eos_token_id), ("eot", eot_token_id)):
+            if token_id is not None and not 0 <= token_id < len(tokens):
+                raise TokenizerError(f"{name}_token_id {token_id} is outside the vocabulary")
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.add_bos = default_add_bos if add_bos is None else add_bos
+        self.add_eos = add_eos
+        self.chat_template = chat_template
+        # Tokens whose text looks like an end-of-turn marker are control tokens (llama.cpp too).
+        eog = {i for i in (eos_token_id, eot_token_id, eom_token_id) if i is not None}
+        for text in _EOG_TEXTS:
+            token_id = self._text_to_id.get(text)
+            if token_id is not None:
+                eog.add(token_id)
+                if types[token_id] != TokenType.CONTROL:
+                    types[token_id] = TokenType.CONTROL
+        self._types = types
+        self.stop_token_ids: frozenset[int] = frozenset(eog)
+        # Special tokens are matched longest first, as in llama.cpp's tokenizer_st_partition.
+        self._special_ids = sorted(
+            (i for i, t in enumerate(types) if t in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)),
+            key=lambda i: -len(self._id_to_text[i]),
+        )
+        self._pieces = [self._piece(i) for i in range(len(tokens))]
+        self._word_cache: dict[str, tuple[int, ...]] = {}
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF key/values (``tokenizer.ggml.*``, ``tokenizer.chat_template``)."""
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise TokenizerError(
+                f"tokenizer.ggml.model = {model!r} is not supported (only byte-level BPE, 'gpt2')"
+            )
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        merges = metadata.get("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise TokenizerError("GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+
+        def token_id(key: str, default: int | None) -> int | None:
+            value = metadata.get(f"tokenizer.ggml.{key}")
+            # llama.cpp ignores out-of-range ids and keeps its default.
+            if value is None or not 0 <= int(value) < len(tokens):
+                return default
+            return int(value)
+
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token")
+        return cls(
+            tokens,
+            merges,
+            token_types=metadata.get("tokenizer.ggml.token_type"),
+            pre=metadata.get("tokenizer.ggml.pre"),
+            # BPE defaults in llama.cpp: bos = eos = 11 unless the file says otherwise.
+            bos_token_id=token_id("bos_token_id", 11 if len(tokens) > 11 else None),
+            eos_token_id=token_id("eos_token_id", 11 if len(tokens) > 11 else None),
+            eot_token_id=token_id("eot_token_id", None),
+            eom_token_id=token_id("eom_token_id", None),
+            pad_token_id=token_id("padding_token_id", None),
+            add_bos=None if add_bos is None else bool(add_bos),
+            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=metadata.get("tokenizer.chat_template"),
+        )
+
+    # --- vocabulary ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids."""
+        return len(self._id_to_text)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of ``token_id`` (byte-level spelling for normal tokens)."""
+        return self._id_to_text[token_id]
+
+    def token_to_id(self, text: str) -> int | None:
+        """Id of the vocabulary entry ``text``, or ``None``."""
+        return self._text_to_id.get(text)
+
+    def token_type(self, token_id: int) -> TokenType:
+        """Type of ``token_id`` (control tokens are not rendered by :meth:`decode` by default)."""
+        return TokenType(self._types[token_id])
+
+    def is_special(self, token_id: int) -> bool:
+        """True for control and unknown tokens (hidden from output unless asked for)."""
+        return self._types[token_id] in (TokenType.CONTROL, TokenType.UNKNOWN)
+
+    # --- encoding -----------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text``; equal to ``llama_tokenize(text, add_special, parse_special)``.
+
+        ``add_special`` adds BOS/EOS where the model asks for them (``add_bos_token``);
+        ``parse_special`` turns control-token texts such as ``<|im_start|>`` into their ids
+        (use it for chat-templated prompts; leave it off for untrusted user text).
+        User-defined tokens are always matched whole, as in llama.cpp.
+        """
+        ids: list[int] = []
+        if add_special and self.add_bos and self.bos_token_id is not None:
+            ids.append(self.bos_token_id)
+        for fragment in self._split_special(text, parse_special):
+            if isinstance(fragment, int):
+                ids.append(fragment)
+            else:
+                ids.extend(self._encode_ordinary(fragment))
+        if add_special and self.add_eos and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        return ids
+
+    def _split_special(self, text: str, parse_special: bool) -> list[str | int]:
+        fragments: list[str | int] = [text] if text else []
+        for token_id in self._special_ids:
+            if not parse_special and self._types[token_id] != TokenType.USER_DEFINED:
+                continue
+            special = self._id_to_text[token_id]
+            if not any(isinstance(f, str) and special in f for f in fragments):
+                continue
+            split: list[str | int] = []
+            for fragment in fragments:
+                if isinstance(fragment, int) or special not in fragment:
+                    split.append(fragment)
+                    continue
+                parts = fragment.split(special)
+                for k, part in enumerate(parts):
+                    if k:
+                        split.append(token_id)
+                    if part:
+                        split.append(part)
+            fragments = split
+        return fragments
+
+    def _encode_ordinary(self, text: str) -> list[int]:
+        ids: list[int] = []
+        cache = self._word_cache
+        for word in self._pre_tokenizer.split(text):
+            cached = cache.get(word)
+            if cached is None:
+                if len(cache) >= _MAX_CACHED_WORDS:
+                    cache.clear()
+                cached = cache[word] = tuple(self._encode_word(encode_bytes(word)))
+            ids.extend(cached)
+        return ids
+
+    def _encode_word(self, word: str) -> list[int]:
+        """BPE over one pre-tokenized word already spelled in the byte-level alphabet."""
+        if self._ignore_merges:
+            whole = self._text_to_id.get(word)
+            if whole is not None:
+                return [whole]
+        symbols: list[str] = list(word)
+        ranks = self._ranks
+        if len(symbols) > 1:
+            # Linked list + heap of (rank, left index): merges the lowest-rank adjacent pair,
+            # leftmost on ties, skipping entries made stale by earlier merges (llama.cpp's order).
+            nxt = [*range(1, len(symbols)), -1]
+            prv = list(range(-1, len(symbols) - 1))
+            heap = [
+                (rank, i, i + 1, symbols[i] + symbols[i + 1])
+                for i in range(len(symbols) - 1)
+                if (rank := ranks.get((symbols[i], symbols[i + 1]))) is not None
+            ]
+            heapq.heapify(heap)
+            while heap:
+                _, left, right, merged = heapq.heappop(heap)
+                # Stale when either side was merged since the pair was queued.
+                if (
+                    nxt[left] != right
+                    or not symbols[left]
+                    or not symbols[right]
+                    or symbols[left] + symbols[right] != merged
+                ):
+                    continue
+                symbols[left] = merged
+                symbols[right] = ""
+                nxt[left] = nxt[right]
+                if nxt[right] != -1:
+                    prv[nxt[right]] = left
+                for a, b in ((prv[left], left), (left, nxt[left])):
+                    if a != -1 and b != -1:
+                        rank = ranks.get((symbols[a], symbols[b]))
+                        if rank is not None:
+                            heapq.heappush(heap, (rank, a, b, symbols[a] + symbols[b]))
+        ids: list[int] = []
+        for symbol in symbols:
+            if not symbol:
+                continue
+            token_id = self._text_to_id.get(symbol)
+            if token_id is not None:
+                ids.append(token_id)
+                continue
+            # Not in the vocabulary: llama.cpp falls back to single-byte entries that exist.
+            for byte in symbol.encode("utf-8"):
+                byte_id = self._text_to_id.get(chr(byte)) if byte < 0x80 else None
+                if byte_id is not None:
+                    ids.append(byte_id)
+        return ids
+
+    # --- decoding -----------------------------------------------------------------------------
+
+    def _piece(self, token_id: int) -> bytes:
+        token_type = self._types[token_id]
+        text = self._id_to_text[token_id]
+        if token_type == TokenType.NORMAL:
+            return decode_token_text(text)
+        if token_type in (TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.UNKNOWN):
+            return text.encode("utf-8")
+        return b""  # byte/unused/undefined entries render as nothing in llama.cpp's BPE
+
+    def token_to_bytes(self, token_id: int, *, skip_special: bool = True) -> bytes:
+        """Bytes ``token_id`` stands for (may be part of a UTF-8 character)."""
+        if skip_special and self.is_special(token_id):
+            return b""
+        return self._pieces[token_id]
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 (a character cut at the end) becomes U+FFFD."""
+        data = b"".join(self.token_to_bytes(i, skip_special=skip_special) for i in ids)
+        return data.decode("utf-8", errors="replace")

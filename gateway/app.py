@@ -1,0 +1,128 @@
+"""``create_app``: the Litestar application, with no import-time side effects.
+
+Creating the app validates everything that can be validated without loading a model
+(backend kinds and routing strategies registered by plugins, each backend's options) and
+raises :class:`~gateway.config.ConfigError` naming the key. The lifespan then tells plugins
+the gateway starts, loads the backends in the background (``/ready`` is 503 until they
+are), and on shutdown closes them and tells plugins.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+
+from backends.base import Backend, BackendConfig
+from backends.errors import InfermuxError
+from gateway.config import ConfigError, InfermuxConfig, check_registered_names
+from gateway.controllers import CONTROLLERS
+from gateway.errors import handle_exception
+from gateway.state import GatewayState
+from plugins.manager import PluginHooks, create_plugin_manager
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger("gateway")
+
+
+def create_app(
+    config: InfermuxConfig,
+    *,
+    plugin_manager: object | None = None,
+    backends: Mapping[str, Backend] | None = None,
+) -> Litestar:
+    """Build the gateway for ``config``.
+
+    ``plugin_manager`` (a ``pluggy.PluginManager`` from ``create_plugin_manager``) defaults
+    to one with the built-ins and the installed entry-point plugins. ``backends`` replaces
+    the named ``[[backends]]`` with ready-made objects (tests); the app still starts and
+    closes them.
+    """
+    import pluggy
+
+    pm = plugin_manager if plugin_manager is not None else create_plugin_manager(config=config.plugins)
+    if not isinstance(pm, pluggy.PluginManager):
+        raise TypeError("plugin_manager must be a pluggy.PluginManager")
+    hooks = PluginHooks(pm, hook_timeout_s=config.plugins.hook_timeout_s)
+    check_registered_names(
+        config,
+        backend_kinds=hooks.register_backend_kinds(),
+        routing_strategies=hooks.register_routing_strategies(),
+    )
+    state = GatewayState(
+        config=config,
+        hooks=hooks,
+        backends=_build_backends(config, hooks, backends or {}),
+        backend_configs={b.name: b for b in config.backends},
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        await hooks.startup(config=config)
+        state.start_loading()
+        try:
+            yield
+        finally:
+            await state.shutdown()
+
+    return Litestar(
+        route_handlers=list(CONTROLLERS),
+        dependencies={"gateway": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
+        exception_handlers={Exception: handle_exception},
+        lifespan=[lifespan],
+        state=State({"gateway": state}),
+        request_max_body_size=config.server.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="infermux", version=_version()),
+        # Logging is configured by the CLI (or the embedding program), not by the app.
+        logging_config=None,
+        debug=False,
+    )
+
+
+def _build_backends(
+    config: InfermuxConfig, hooks: PluginHooks, given: Mapping[str, Backend]
+) -> dict[str, Backend]:
+    """Construct (cheaply, nothing loads yet) every configured backend."""
+    configured = {b.name for b in config.backends}
+    for name in given:
+        if name not in configured:
+            raise ConfigError(
+                f"backends: a backend object was given for {name!r}, which has no "
+                "[[backends]] entry",
+                key="backends",
+            )
+    kinds = hooks.register_backend_kinds()
+    built: dict[str, Backend] = {}
+    for i, backend_config in enumerate(config.backends):
+        if backend_config.name in given:
+            built[backend_config.name] = given[backend_config.name]
+            continue
+        built[backend_config.name] = _construct(i, backend_config, kinds[backend_config.kind])
+    return built
+
+
+def _construct(index: int, backend_config: BackendConfig, factory: object) -> Backend:
+    try:
+        backend: Backend = factory(backend_config)  # type: ignore[operator]
+    except InfermuxError as exc:  # the kind's library is missing: message has the hint
+        raise ConfigError(f"backends[{index}].kind: {exc.message}", key=f"backends[{index}].kind") from exc
+    except ValueError as exc:  # bad options: the message names backends.<name>.options.<key>
+        message = str(exc)
+        if not message.startswith("backends"):
+            message = f"backends[{index}].options: {message}"
+        raise ConfigError(message, key=f"backends[{index}].options") from exc
+    return backend
+
+
+def _version() -> str:
+    try:
+        return version("infermux")
+    except PackageNotFoundError:
+        return "0.0.0"

@@ -1,0 +1,254 @@
+"""The streaming client: sends one workload prompt to an endpoint and times its stream.
+
+Every request streams (``stream: true`` with ``stream_options.include_usage``) and is timed with
+``time.perf_counter`` from the moment it is handed to httpx:
+
+- TTFT: until the first chunk whose content is non-empty (role-only and empty deltas do not
+  count; reasoning content does).
+- ITL: the gap between consecutive content chunks; a server that packs several tokens into one
+  chunk yields one gap for them, as seen by a client.
+- E2E: until the stream ends (``[DONE]`` or the connection closes).
+- TPOT: ``(E2E - TTFT) / (output_tokens - 1)``, the mean time per output token after the first.
+
+Token counts come from the final usage chunk; when a server sends none (llama-cpp-python's
+server does not), ``output_tokens`` falls back to the number of content chunks and
+``prompt_tokens``/``cached_tokens`` stay ``None``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import msgspec
+
+from gateway.bench.workload import BenchPrompt
+
+__all__ = ["BenchClient", "RequestRecord", "Target", "endpoint_url"]
+
+
+class Target(msgspec.Struct, kw_only=True, frozen=True):
+    """One endpoint under test."""
+
+    label: str  # "A", or "B" for the --compare endpoint
+    url: str  # base URL (http://host:port or .../v1) or a full .../completions URL
+    model: str | None = None  # None: the first id listed by GET /v1/models
+    api_key: str | None = None
+    headers: dict[str, str] = {}
+
+
+class RequestRecord(msgspec.Struct, kw_only=True):
+    """What one request measured. Latencies in milliseconds; None where not reached."""
+
+    index: int  # position of the prompt in the workload
+    target: str  # Target.label
+    request_rate: float | None  # offered rate of its run; None: all at once
+    scheduled_s: float  # arrival time, seconds after its block started
+    start_s: float  # when it was sent, seconds after the run started
+    queued_ms: float  # waited for a free concurrency slot after arriving
+    ttft_ms: float | None = None
+    itl_ms: list[float] = []  # every gap between content chunks
+    tpot_ms: float | None = None  # None when fewer than two output tokens
+    e2e_ms: float | None = None
+    prompt_tokens: int | None = None  # from usage
+    output_tokens: int | None = None  # from usage, else the number of content chunks
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    usage_reported: bool = False
+    num_chunks: int = 0  # chunks that carried content
+    input_len: int = 0  # the workload's estimate of the prompt's tokens
+    output_len: int = 0  # max_tokens sent
+    output_chars: int = 0
+    status_code: int | None = None
+    error: str | None = None  # None when the request succeeded
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def endpoint_url(url: str, endpoint: str) -> str:
+    """The URL to POST to: ``url`` itself if it names an endpoint, else ``url`` + ``/v1/...``."""
+    base = url.rstrip("/")
+    if base.endswith("/completions"):
+        return base
+    if not base.endswith("/v1"):
+        base += "/v1"
+    return base + ("/chat/completions" if endpoint == "chat" else "/completions")
+
+
+def models_url(url: str) -> str:
+    base = url.rstrip("/")
+    for suffix in ("/chat/completions", "/completions"):
+        base = base.removesuffix(suffix)
+    if not base.endswith("/v1"):
+        base += "/v1"
+    return base + "/models"
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    parts = []
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            parts.append(delta.get("content") or "")
+            parts.append(delta.get("reasoning_content") or "")
+        else:
+            parts.append(choice.get("text") or "")
+    return "".join(parts)
+
+
+def _error_message(status_code: int, body: bytes) -> str:
+    try:
+        decoded = msgspec.json.decode(body)
+        message = decoded["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        message = body[:200].decode("utf-8", "replace")
+    return f"HTTP {status_code}: {message}"
+
+
+class BenchClient:
+    """An httpx client bound to one target; ``send`` streams one prompt and times it."""
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        endpoint: str,
+        timeout_s: float,
+        ignore_eos: bool = False,
+        temperature: float | None = 0.0,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
+        self.target = target
+        self.endpoint = endpoint
+        self.url = endpoint_url(target.url, endpoint)
+        self.model = target.model
+        self._ignore_eos = ignore_eos
+        self._temperature = temperature
+        self._extra_body = extra_body or {}
+        headers = {"content-type": "application/json", **target.headers}
+        if target.api_key:
+            headers["authorization"] = f"Bearer {target.api_key}"
+        # No pool limit: the load generator, not the connection pool, decides concurrency.
+        self._client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def resolve_model(self) -> str:
+        """The model to request: the target's, else the first one the server lists."""
+        if self.model is None:
+            response = await self._client.get(models_url(self.target.url))
+            response.raise_for_status()
+            self.model = str(response.json()["data"][0]["id"])
+        return self.model
+
+    def _body(self, prompt: BenchPrompt, *, stream: bool, max_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "stream": stream}
+        if self.endpoint == "chat":
+            body["messages"] = prompt.messages
+        else:
+            body["prompt"] = prompt.prompt
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if self._temperature is not None:
+            body["temperature"] = self._temperature
+        if self._ignore_eos:
+            body["ignore_eos"] = True  # vLLM's extension, also honoured by infermux
+        body.update(self._extra_body)
+        return body
+
+    async def prompt_tokens(self, prompt: BenchPrompt) -> int | None:
+        """``usage.prompt_tokens`` of a one-token, non-streaming request (for calibration)."""
+        response = await self._client.post(
+            self.url, json=self._body(prompt, stream=False, max_tokens=1)
+        )
+        if response.status_code != 200:
+            raise httpx.HTTPStatusError(
+                _error_message(response.status_code, response.content),
+                request=response.request,
+                response=response,
+            )
+        usage = response.json().get("usage") or {}
+        tokens = usage.get("prompt_tokens")
+        return int(tokens) if isinstance(tokens, int) else None
+
+    async def send(self, prompt: BenchPrompt, record: RequestRecord) -> RequestRecord:
+        """Stream ``prompt`` and fill ``record`` with what was measured."""
+        body = self._body(prompt, stream=True, max_tokens=prompt.output_len)
+        record.input_len = prompt.input_len
+        record.output_len = prompt.output_len
+        start = time.perf_counter()
+        first: float | None = None
+        last = start
+        itl: list[float] = []
+        usage: dict[str, Any] | None = None
+        num_chars = 0
+        try:
+            async with self._client.stream("POST", self.url, json=body) as response:
+                record.status_code = response.status_code
+                if response.status_code != 200:
+                    record.error = _error_message(response.status_code, await response.aread())
+                    return record
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = msgspec.json.decode(data)
+                    if not isinstance(chunk, dict):
+                        continue
+                    if chunk.get("error"):
+                        error = chunk["error"]
+                        message = error.get("message") if isinstance(error, dict) else error
+                        record.error = f"stream error: {message}"
+                        break
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    text = _chunk_text(chunk)
+                    if not text:
+                        continue
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        itl.append((now - last) * 1e3)
+                    last = now
+                    record.num_chunks += 1
+                    num_chars += len(text)
+        except httpx.HTTPError as exc:
+            record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        except msgspec.DecodeError as exc:
+            record.error = f"malformed SSE data: {exc}"
+        end = time.perf_counter()
+        record.output_chars = num_chars
+        if record.error is not None:
+            return record
+        if first is None:
+            record.error = "the stream carried no content"
+            return record
+        record.ttft_ms = (first - start) * 1e3
+        record.e2e_ms = (end - start) * 1e3
+        record.itl_ms = itl
+        self._apply_usage(record, usage)
+        if record.output_tokens is not None and record.output_tokens > 1:
+            record.tpot_ms = (record.e2e_ms - record.ttft_ms) / (record.output_tokens - 1)
+        return record
+
+    @staticmethod
+    def _apply_usage(record: RequestRecord, usage: dict[str, Any] | None) -> None:
+        if usage is None:
+            record.output_tokens = record.num_chunks
+            return
+        record.usage_reported = True
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.output_tokens = usage.get("completion_tokens", record.num_chunks)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            record.cached_tokens = int(details["cached_tokens"])

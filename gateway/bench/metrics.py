@@ -1,0 +1,243 @@
+"""Figures of a run: latency percentiles, throughput, goodput, prefix-cache hit rate and cost.
+
+- Percentiles interpolate linearly between the sorted values (numpy's default). TTFT, TPOT and
+  E2E have one value per successful request; ITL pools every gap of every successful request.
+- Throughput divides by the run's duration: from its first dispatch to its last completion
+  (summed over blocks in alternate compare mode).
+- Goodput: successful requests that met every SLO given, per second of the same duration.
+  SLO keys: ``ttft``, ``tpot`` (the request's TPOT), ``itl`` (the request's largest gap) and
+  ``e2e``; values take ``ms``, ``s`` or ``us``, a bare number is milliseconds.
+- Prefix-cache hit rate: sum of ``usage.prompt_tokens_details.cached_tokens`` over sum of
+  ``usage.prompt_tokens``, over the requests whose usage reports cached tokens; ``None`` when
+  none does.
+- Cost: prices in currency per 1M tokens; cached prompt tokens at the ``cached`` price (the
+  ``input`` price when not given), the other prompt tokens at ``input``, output at ``output``.
+  Requests without usage count the workload's estimate of their prompt.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+import numpy as np
+
+from gateway.bench.client import RequestRecord
+from gateway.bench.errors import BenchConfigError
+
+__all__ = ["Prices", "RunSummary", "Slo", "Stats", "parse_prices", "parse_slo", "summarise"]
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+class Slo(msgspec.Struct, kw_only=True, frozen=True):
+    """Latency targets a request must meet to count towards goodput (milliseconds)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    itl_ms: float | None = None  # the request's largest inter-token gap
+    e2e_ms: float | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return all(v is None for v in (self.ttft_ms, self.tpot_ms, self.itl_ms, self.e2e_ms))
+
+    def describe(self) -> str:
+        parts = [
+            f"{name}<={value:g}ms"
+            for name, value in (
+                ("ttft", self.ttft_ms),
+                ("tpot", self.tpot_ms),
+                ("itl", self.itl_ms),
+                ("e2e", self.e2e_ms),
+            )
+            if value is not None
+        ]
+        return ",".join(parts)
+
+    def is_met_by(self, record: RequestRecord) -> bool:
+        checks = (
+            (self.ttft_ms, record.ttft_ms),
+            (self.tpot_ms, record.tpot_ms),
+            (self.itl_ms, max(record.itl_ms) if record.itl_ms else None),
+            (self.e2e_ms, record.e2e_ms),
+        )
+        # A request with one output token has no TPOT or ITL: nothing to miss there.
+        return all(limit is None or value is None or value <= limit for limit, value in checks)
+
+
+class Prices(msgspec.Struct, kw_only=True, frozen=True):
+    """Prices per 1M tokens."""
+
+    input: float
+    output: float
+    cached: float | None = None  # None: the input price
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|us)?\s*$")
+_SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2e": "e2e_ms"}
+_SLO_ALIASES = {"e2el": "e2e"}
+_UNIT_MS = {"ms": 1.0, "s": 1e3, "us": 1e-3, None: 1.0}
+
+
+def _pairs(text: str, param: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise BenchConfigError(f"expected KEY=VALUE, got {item.strip()!r}", param=param)
+        pairs.append((key.strip().lower(), value.strip()))
+    return pairs
+
+
+def parse_slo(text: str | None) -> Slo:
+    """``ttft=500ms,tpot=50ms`` -> Slo; raises BenchConfigError naming ``--slo``."""
+    if not text:
+        return Slo()
+    values: dict[str, float] = {}
+    for key, value in _pairs(text, "--slo"):
+        key = _SLO_ALIASES.get(key, key)
+        if key not in _SLO_KEYS:
+            raise BenchConfigError(
+                f"unknown SLO {key!r}; use {', '.join(_SLO_KEYS)}", param="--slo"
+            )
+        match = _DURATION.match(value)
+        if match is None:
+            raise BenchConfigError(
+                f"{key}: expected a duration such as 500ms or 0.5s, got {value!r}", param="--slo"
+            )
+        values[_SLO_KEYS[key]] = float(match.group(1)) * _UNIT_MS[match.group(2)]
+    return Slo(**values)
+
+
+def parse_prices(text: str | None) -> Prices | None:
+    """``input=0.15,output=0.6,cached=0.075`` (per 1M tokens) -> Prices."""
+    if not text:
+        return None
+    values: dict[str, float] = {}
+    for key, value in _pairs(text, "--price"):
+        if key not in ("input", "output", "cached"):
+            raise BenchConfigError(
+                f"unknown price {key!r}; use input, output, cached", param="--price"
+            )
+        try:
+            values[key] = float(value)
+        except ValueError as exc:
+            raise BenchConfigError(f"{key}: not a number: {value!r}", param="--price") from exc
+        if values[key] < 0:
+            raise BenchConfigError(f"{key}: must not be negative", param="--price")
+    if "input" not in values or "output" not in values:
+        raise BenchConfigError("give at least input=... and output=...", param="--price")
+    return Prices(**values)
+
+
+class Stats(msgspec.Struct, kw_only=True, frozen=True):
+    """Distribution of one latency in milliseconds; all None when there is no value."""
+
+    count: int
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stats:
+        if not values:
+            return cls(count=0)
+        array = np.asarray(values, dtype=np.float64)
+        p50, p90, p95, p99 = (float(v) for v in np.percentile(array, PERCENTILES))
+        return cls(
+            count=len(values),
+            mean=float(array.mean()),
+            p50=p50,
+            p90=p90,
+            p95=p95,
+            p99=p99,
+            max=float(array.max()),
+        )
+
+
+class RunSummary(msgspec.Struct, kw_only=True, frozen=True):
+    """The figures of one target at one request rate."""
+
+    num_requests: int
+    num_completed: int
+    num_failed: int
+    duration_s: float
+    request_throughput: float  # completed requests per second
+    output_throughput: float  # output tokens per second
+    total_token_throughput: float  # prompt + output tokens per second
+    total_prompt_tokens: int
+    total_output_tokens: int
+    mean_prompt_tokens: float | None
+    mean_output_tokens: float | None
+    ttft_ms: Stats
+    tpot_ms: Stats
+    itl_ms: Stats
+    e2e_ms: Stats
+    usage_reported_fraction: float  # completed requests whose stream carried usage
+    goodput: float | None  # requests/s meeting every SLO; None without --slo
+    slo_attainment: float | None  # fraction of all requests meeting every SLO
+    cache_hit_rate: float | None  # cached / prompt tokens; None when no usage reports it
+    cost: float | None  # total, in the currency of --price
+    cost_per_1k_requests: float | None
+    errors: dict[str, int]  # error message (first 120 chars) -> count
+
+
+def _request_cost(record: RequestRecord, prices: Prices) -> float:
+    prompt = record.prompt_tokens if record.prompt_tokens is not None else record.input_len
+    cached = min(record.cached_tokens or 0, prompt)
+    cached_price = prices.cached if prices.cached is not None else prices.input
+    output = record.output_tokens or 0
+    return ((prompt - cached) * prices.input + cached * cached_price + output * prices.output) / 1e6
+
+
+def summarise(
+    records: list[RequestRecord], *, duration_s: float, slo: Slo, prices: Prices | None
+) -> RunSummary:
+    """Reduce one run's records to its figures."""
+    done = [r for r in records if r.ok]
+    failed = [r for r in records if not r.ok]
+    prompt_tokens = [r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in done]
+    output_tokens = [r.output_tokens or 0 for r in done]
+    duration = max(duration_s, 1e-9)
+    errors: dict[str, int] = {}
+    for record in failed:
+        key = (record.error or "")[:120]
+        errors[key] = errors.get(key, 0) + 1
+    num_good = sum(1 for r in done if slo.is_met_by(r))
+    with_cache = [r for r in done if r.cached_tokens is not None and r.prompt_tokens]
+    cost = sum(_request_cost(r, prices) for r in done) if prices is not None else None
+    return RunSummary(
+        num_requests=len(records),
+        num_completed=len(done),
+        num_failed=len(failed),
+        duration_s=duration_s,
+        request_throughput=len(done) / duration,
+        output_throughput=sum(output_tokens) / duration,
+        total_token_throughput=(sum(prompt_tokens) + sum(output_tokens)) / duration,
+        total_prompt_tokens=sum(prompt_tokens),
+        total_output_tokens=sum(output_tokens),
+        mean_prompt_tokens=float(np.mean(prompt_tokens)) if done else None,
+        mean_output_tokens=float(np.mean(output_tokens)) if done else None,
+        ttft_ms=Stats.of([r.ttft_ms for r in done if r.ttft_ms is not None]),
+        tpot_ms=Stats.of([r.tpot_ms for r in done if r.tpot_ms is not None]),
+        itl_ms=Stats.of([gap for r in done for gap in r.itl_ms]),
+        e2e_ms=Stats.of([r.e2e_ms for r in done if r.e2e_ms is not None]),
+        usage_reported_fraction=(sum(r.usage_reported for r in done) / len(done)) if done else 0.0,
+        goodput=None if slo.is_empty else num_good / duration,
+        slo_attainment=None if slo.is_empty or not records else num_good / len(records),
+        cache_hit_rate=(
+            sum(r.cached_tokens or 0 for r in with_cache)
+            / sum(r.prompt_tokens or 0 for r in with_cache)
+            if with_cache
+            else None
+        ),
+        cost=cost,
+        cost_per_1k_requests=(cost / len(done) * 1000 if cost is not None and done else None),
+        errors=errors,
+    )

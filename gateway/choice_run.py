@@ -1,0 +1,265 @@
+"""The backend streams behind one HTTP request (one per choice) and their bookkeeping.
+
+A :class:`ChoiceRun` opens every choice through the router concurrently, merges their
+chunks in arrival order, and guarantees that each choice that reached a backend is
+reported exactly once: ``on_response`` when it finished, ``on_error`` when it failed, was
+abandoned because a sibling failed, or the client went away. :meth:`ChoiceRun.aclose` is
+idempotent and is where abandoned upstream work is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from backends.base import GenerationChunk, GenerationRequest, Usage
+from backends.errors import (
+    GenerationAbortedError,
+    InfermuxError,
+    ModelNotFoundError,
+)
+from gateway.errors import to_infermux_error
+from gateway.schemas import PromptTokensDetails, UsageInfo
+
+if TYPE_CHECKING:
+    from gateway.router import ModelRouter, RoutedStream
+    from plugins.manager import PluginHooks
+
+__all__ = ["ChoiceRun", "ChoiceState"]
+
+logger = logging.getLogger("gateway")
+
+# Chunks buffered per request when the client reads slower than the backends produce.
+_MERGE_QUEUE_SIZE = 64
+
+
+class ChoiceState:
+    """One choice: the request the backend saw, its stream, and how it ended."""
+
+    __slots__ = ("request", "stream", "usage", "finish_reason", "outcome", "error")
+
+    def __init__(self, request: GenerationRequest, stream: RoutedStream) -> None:
+        self.request = request
+        self.stream = stream
+        self.usage: Usage | None = None
+        self.finish_reason: str | None = None
+        #: "open" -> "finished" | "failed" | "aborted".
+        self.outcome = "open"
+        self.error: InfermuxError | None = None
+
+    @property
+    def backend_name(self) -> str:
+        return self.stream.backend_name
+
+
+class ChoiceRun:
+    """The open choices of one request; iterate :meth:`events`, then :meth:`aclose`."""
+
+    def __init__(self, hooks: PluginHooks, choices: list[ChoiceState], *, n: int) -> None:
+        self.hooks = hooks
+        self.choices = choices
+        self.n = n
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    @classmethod
+    async def open(
+        cls,
+        *,
+        router: ModelRouter,
+        hooks: PluginHooks,
+        requests: Sequence[GenerationRequest],
+        n: int,
+        pinned_backend: str | None = None,
+    ) -> ChoiceRun:
+        """Transform and route every choice; if one cannot open, close the others and raise."""
+        transformed = [await hooks.transform_request(request=r) for r in requests]
+        if len(transformed) == 1:
+            request = transformed[0]
+            try:
+                stream = await router.open(request, pinned_backend=pinned_backend)
+            except InfermuxError as exc:
+                await _report_open_failure(hooks, request, exc)
+                raise
+            return cls(hooks, [ChoiceState(request, stream)], n=n)
+
+        tasks = [
+            asyncio.ensure_future(router.open(r, pinned_backend=pinned_backend))
+            for r in transformed
+        ]
+        try:
+            await asyncio.wait(tasks)
+        except BaseException:
+            # Cancelled (client gone): abandon whatever opened meanwhile.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await cls(hooks, _opened(transformed, tasks), n=n).aclose()
+            raise
+        first_error = next((t.exception() for t in tasks if t.exception() is not None), None)
+        if first_error is None:
+            choices = [ChoiceState(r, t.result()) for r, t in zip(transformed, tasks, strict=True)]
+            return cls(hooks, choices, n=n)
+        # One choice failed: the whole request fails. Abandon the siblings that opened.
+        await cls(hooks, _opened(transformed, tasks), n=n).aclose()
+        for request, task in zip(transformed, tasks, strict=True):
+            error = task.exception()
+            if isinstance(error, InfermuxError):
+                await _report_open_failure(hooks, request, error)
+        raise first_error
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The backends that serve the choices, without repeats, in choice order."""
+        return list(dict.fromkeys(c.backend_name for c in self.choices))
+
+    async def events(self) -> AsyncIterator[tuple[int, GenerationChunk]]:
+        """``(choice position, chunk)`` in arrival order; raises the first choice error."""
+        if len(self.choices) == 1:
+            choice = self.choices[0]
+            try:
+                async for chunk in choice.stream:
+                    _account(choice, chunk)
+                    yield 0, chunk
+            except Exception as exc:
+                raise self._fail(choice, exc) from exc
+            choice.outcome = "finished"
+            return
+
+        queue: asyncio.Queue[tuple[int, GenerationChunk | None, BaseException | None]] = (
+            asyncio.Queue(_MERGE_QUEUE_SIZE)
+        )
+        self._tasks = [
+            asyncio.create_task(_pump(position, choice.stream, queue))
+            for position, choice in enumerate(self.choices)
+        ]
+        remaining = len(self.choices)
+        while remaining:
+            position, chunk, error = await queue.get()
+            choice = self.choices[position]
+            if chunk is not None:
+                _account(choice, chunk)
+                yield position, chunk
+            elif error is not None:
+                raise self._fail(choice, error) from error
+            else:
+                choice.outcome = "finished"
+                remaining -= 1
+
+    def total_usage(self) -> UsageInfo:
+        """OpenAI's accounting: each prompt counted once (not ``n`` times), outputs summed."""
+        prompt_tokens = 0
+        completion_tokens = 0
+        cached: int | None = None
+        for position, choice in enumerate(self.choices):
+            usage = choice.usage
+            if usage is None:
+                continue
+            completion_tokens += usage.completion_tokens
+            if position % self.n == 0:
+                prompt_tokens += usage.prompt_tokens
+                if usage.cached_tokens is not None:
+                    cached = (cached or 0) + usage.cached_tokens
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=None
+            if cached is None
+            else PromptTokensDetails(cached_tokens=cached),
+        )
+
+    async def aclose(self) -> None:
+        """Abort unfinished choices upstream, then report every choice once (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        failed = next((c for c in self.choices if c.outcome == "failed"), None)
+        for choice in self.choices:
+            if choice.outcome == "open":
+                choice.outcome = "aborted"
+                choice.error = GenerationAbortedError(
+                    "aborted: another choice of this request failed"
+                    if failed is not None
+                    else "aborted: the client went away before the response finished"
+                )
+            try:
+                await choice.stream.aclose()
+            except Exception:
+                logger.exception("closing the stream of %s failed", choice.request.request_id)
+        for choice in self.choices:
+            if choice.outcome == "finished":
+                await self.hooks.on_response(
+                    request=choice.request,
+                    backend_name=choice.backend_name,
+                    usage=choice.usage,
+                    finish_reason=choice.finish_reason,
+                )
+            elif choice.error is not None:
+                await self.hooks.on_error(
+                    request=choice.request,
+                    backend_name=choice.backend_name,
+                    error=choice.error,
+                    usage=choice.usage,
+                )
+
+    def _fail(self, choice: ChoiceState, exc: BaseException) -> InfermuxError:
+        error = to_infermux_error(exc, choice.request.request_id)
+        choice.outcome = "failed"
+        choice.error = error
+        return error
+
+
+def _account(choice: ChoiceState, chunk: GenerationChunk) -> None:
+    if chunk.usage is not None:
+        choice.usage = chunk.usage
+    if chunk.finish_reason is not None:
+        choice.finish_reason = chunk.finish_reason
+
+
+async def _pump(
+    position: int,
+    stream: RoutedStream,
+    queue: asyncio.Queue[tuple[int, GenerationChunk | None, BaseException | None]],
+) -> None:
+    try:
+        async for chunk in stream:
+            await queue.put((position, chunk, None))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        await queue.put((position, None, exc))
+        return
+    await queue.put((position, None, None))
+
+
+async def _report_open_failure(
+    hooks: PluginHooks, request: GenerationRequest, error: InfermuxError
+) -> None:
+    # Routing refusals (unknown alias, unknown pinned backend, rejected by a plugin) never
+    # reached a backend; everything else did and gets its one on_error.
+    if isinstance(error, ModelNotFoundError) or error.code == "unknown_backend":
+        return
+    backend_name: Any = getattr(error, "backend_name", None)
+    await hooks.on_error(
+        request=request,
+        backend_name=backend_name if isinstance(backend_name, str) else None,
+        error=error,
+        usage=None,
+    )
+
+
+def _opened(
+    requests: Sequence[GenerationRequest], tasks: list[asyncio.Future[RoutedStream]]
+) -> list[ChoiceState]:
+    return [
+        ChoiceState(request, task.result())
+        for request, task in zip(requests, tasks, strict=True)
+        if task.done() and not task.cancelled() and task.exception() is None
+    ]

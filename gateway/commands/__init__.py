@@ -1,0 +1,1 @@
+"""Subcommands of the ``infermux`` CLI (each module: ``add_parser(subparsers)``)."""

@@ -1,0 +1,115 @@
+"""``infermux serve [--config FILE] [--host HOST] [--port PORT]``: run the gateway."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+__all__ = ["add_parser", "run"]
+
+_LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``serve``."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible gateway",
+        description="Serve the models of the routing config (default: the embedded "
+        "SmolLM2-135M-Instruct through llama.cpp as alias 'smollm2') on 127.0.0.1:8000.",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="routing config (TOML); default: $INFERMUX_CONFIG, else the embedded default",
+    )
+    parser.add_argument("--host", default=None, help="listen address (overrides config and $INFERMUX_HOST)")
+    parser.add_argument("--port", type=_port, default=None, help="listen port (overrides config and $INFERMUX_PORT)")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default: info)",
+    )
+    parser.add_argument(
+        "--no-access-log", action="store_true", help="do not log one line per request"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load and validate the config, build the app, serve until SIGINT/SIGTERM."""
+    import msgspec
+
+    from gateway.app import create_app
+    from gateway.config import ConfigError, load_config
+
+    logging.basicConfig(level=args.log_level.upper(), format=_LOG_FORMAT)
+    try:
+        config = load_config(args.config)
+        server_config = config.server
+        if args.host is not None:
+            server_config = msgspec.structs.replace(server_config, host=args.host)
+        if args.port is not None:
+            server_config = msgspec.structs.replace(server_config, port=args.port)
+        config = msgspec.structs.replace(config, server=server_config)
+        app = create_app(config)
+    except ConfigError as exc:
+        where = f" in {args.config}" if args.config is not None else ""
+        print(f"infermux: config error{where}: {exc}", file=sys.stderr)
+        return 2
+
+    server = _DrainingServer(
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level=args.log_level,
+            access_log=not args.no_access_log,
+            lifespan="on",
+            timeout_graceful_shutdown=int(config.server.drain_timeout_s),
+        ),
+        gateway=app.state.gateway,
+    )
+    logging.getLogger("gateway").info(
+        "infermux on http://%s:%d (models: %s)",
+        config.server.host,
+        config.server.port,
+        ", ".join(m.alias for m in config.models) or "none",
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port out of range 0-65535: {port}")
+    return port
+
+
+class _DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT readiness turns 503 at once, then uvicorn drains in-flight requests
+    (up to ``drain_timeout_s``); the process then exits 0 instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, *, gateway: Any) -> None:
+        super().__init__(config)
+        self._gateway = gateway
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._gateway.draining = True
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after shutdown (exit 128+sig); a drained
+        # shutdown is a clean one.
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()

@@ -1,0 +1,297 @@
+"""The routing config: one TOML file decoded into frozen msgspec Structs, validated at start-up.
+
+Every error is a :class:`ConfigError` whose message starts with the key path at fault
+(``backends[1].kind: unknown backend kind 'foo'``), so a person can find the line to change.
+
+Resolution order (later wins): the embedded default or the file (``--config FILE``, else
+``INFERMUX_CONFIG``), then the environment (``INFERMUX_HOST``, ``INFERMUX_PORT``), then the
+command line (``--host``, ``--port``, applied by the CLI). A file without ``[[backends]]``
+and ``[[models]]`` tables keeps the embedded default model, so a file may tune only
+``[server]``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from backends.base import BackendConfig
+from backends.default_model import DEFAULT_MODEL_ALIAS, default_model_path
+from gateway.validation_message import split_validation_message
+
+__all__ = [
+    "ConfigError",
+    "InfermuxConfig",
+    "LimitsConfig",
+    "ModelConfig",
+    "PluginsConfig",
+    "ServerConfig",
+    "check_registered_names",
+    "config_from_dict",
+    "default_config",
+    "load_config",
+]
+
+#: Environment variables that override the config (documented in the README).
+ENV_CONFIG = "INFERMUX_CONFIG"
+ENV_HOST = "INFERMUX_HOST"
+ENV_PORT = "INFERMUX_PORT"
+
+# Backend names travel in the ``x-infermux-backend`` header and in metric labels.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+_BACKEND_KEYS = frozenset(BackendConfig.__struct_fields__)
+_TIMEOUT_KEYS = ("connect_timeout", "first_byte_timeout", "idle_timeout", "total_timeout")
+
+
+class ConfigError(Exception):
+    """The config is invalid; the message starts with the key path (``models[0].backends``)."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[server]``: where the gateway listens and how much it accepts."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    #: Larger request bodies are answered 413.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 4 * 1024 * 1024
+    #: On SIGTERM: readiness turns 503 and in-flight requests get this long to finish.
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[[models]]``: an alias clients send as ``model`` and the backends that serve it."""
+
+    alias: str
+    #: Backend names (from ``[[backends]]``) in priority order.
+    backends: list[str]
+    #: "priority" (fallback in order) | "round_robin" | "least_outstanding" | a plugin's.
+    strategy: str = "priority"
+    #: Extra attempts on other backends, only before the first byte reached the client.
+    max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
+
+
+class PluginsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[plugins]``: which plugins not to load and per-plugin settings tables."""
+
+    #: Plugin names (entry-point names, or ``builtin.<module>``) that are not registered.
+    disable: list[str] = []
+    #: ``[plugins.settings.<plugin name>]`` tables, handed to plugins via ``infermux_startup``.
+    settings: dict[str, dict[str, Any]] = {}
+    #: An async hook (on_response, on_error, startup, shutdown) taking longer is abandoned.
+    hook_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[limits]``: caps on request parameters (over a cap: 400 naming the parameter)."""
+
+    max_n: Annotated[int, msgspec.Meta(ge=1)] = 16
+    #: Choices per request: ``n`` times the number of prompts of a completions request.
+    max_choices: Annotated[int, msgspec.Meta(ge=1)] = 64
+    max_stop_sequences: Annotated[int, msgspec.Meta(ge=0)] = 16
+    max_stop_chars: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20
+
+
+class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole routing config."""
+
+    server: ServerConfig = ServerConfig()
+    backends: list[BackendConfig] = []
+    models: list[ModelConfig] = []
+    plugins: PluginsConfig = PluginsConfig()
+    limits: LimitsConfig = LimitsConfig()
+
+
+def default_backends() -> list[BackendConfig]:
+    """The embedded default backends, in priority order (later issues append here)."""
+    try:
+        model_path = default_model_path()
+    except FileNotFoundError as exc:
+        raise ConfigError(f"backends[0].options.model_path: {exc}") from exc
+    return [
+        BackendConfig(
+            name="llamacpp",
+            kind="llamacpp",
+            options={"model_path": str(model_path), "n_ctx": 2048, "n_threads": 2},
+        ),
+    ]
+
+
+def default_config() -> InfermuxConfig:
+    """No config file: the default model (alias ``smollm2``) on the default backends."""
+    backends = default_backends()
+    return InfermuxConfig(
+        backends=backends,
+        models=[ModelConfig(alias=DEFAULT_MODEL_ALIAS, backends=[b.name for b in backends])],
+    )
+
+
+def load_config(
+    path: Path | None,
+    *,
+    env: Mapping[str, str] = os.environ,
+    backend_kinds: Collection[str] | None = None,
+    routing_strategies: Collection[str] | None = None,
+) -> InfermuxConfig:
+    """Load ``path`` (else ``$INFERMUX_CONFIG``, else the default) and apply env overrides.
+
+    ``backend_kinds`` / ``routing_strategies``, when given (the names plugins registered),
+    are checked too; ``create_app`` checks them anyway.
+    """
+    if path is None and env.get(ENV_CONFIG):
+        path = Path(env[ENV_CONFIG])
+    if path is None:
+        config = default_config()
+    else:
+        try:
+            text = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+        try:
+            raw = msgspec.toml.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+        config = config_from_dict(raw)
+    config = _apply_env(config, env)
+    if backend_kinds is not None or routing_strategies is not None:
+        check_registered_names(
+            config, backend_kinds=backend_kinds, routing_strategies=routing_strategies
+        )
+    return config
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> InfermuxConfig:
+    """Validate a decoded TOML document (or a dict built by a test) into the config."""
+    raw = dict(raw)
+    if "backends" not in raw and "models" not in raw:
+        defaults = default_config()
+        raw["backends"] = [msgspec.to_builtins(b) for b in defaults.backends]
+        raw["models"] = [msgspec.to_builtins(m) for m in defaults.models]
+    _check_backend_keys(raw.get("backends"))
+    try:
+        config = msgspec.convert(raw, InfermuxConfig)
+    except msgspec.ValidationError as exc:
+        key, reason = split_validation_message(str(exc))
+        raise ConfigError(f"{key}: {reason}" if key else reason, key=key) from exc
+    _validate(config)
+    return config
+
+
+def check_registered_names(
+    config: InfermuxConfig,
+    *,
+    backend_kinds: Collection[str] | None = None,
+    routing_strategies: Collection[str] | None = None,
+) -> None:
+    """Every backend kind and routing strategy the config names must be registered."""
+    if backend_kinds is not None:
+        for i, backend in enumerate(config.backends):
+            if backend.kind not in backend_kinds:
+                known = ", ".join(sorted(backend_kinds))
+                raise ConfigError(
+                    f"backends[{i}].kind: unknown backend kind {backend.kind!r} (known: {known})",
+                    key=f"backends[{i}].kind",
+                )
+    if routing_strategies is not None:
+        for i, model in enumerate(config.models):
+            if model.strategy not in routing_strategies:
+                known = ", ".join(sorted(routing_strategies))
+                raise ConfigError(
+                    f"models[{i}].strategy: unknown routing strategy {model.strategy!r} "
+                    f"(known: {known})",
+                    key=f"models[{i}].strategy",
+                )
+
+
+def _check_backend_keys(backends: Any) -> None:
+    # BackendConfig (backends/base.py) ignores unknown keys; a typo such as
+    # ``frist_byte_timeout`` must not silently fall back to the default.
+    if not isinstance(backends, list):
+        return
+    for i, table in enumerate(backends):
+        if isinstance(table, dict):
+            for key in table:
+                if key not in _BACKEND_KEYS:
+                    raise ConfigError(f"backends[{i}].{key}: unknown key", key=f"backends[{i}].{key}")
+
+
+def _fail(key: str, reason: str) -> ConfigError:
+    return ConfigError(f"{key}: {reason}", key=key)
+
+
+def _validate(config: InfermuxConfig) -> None:
+    seen_backends: dict[str, int] = {}
+    for i, backend in enumerate(config.backends):
+        if not _NAME.fullmatch(backend.name):
+            raise _fail(
+                f"backends[{i}].name",
+                f"{backend.name!r} is not a valid name (letters, digits, '_', '.', '-'; "
+                "at most 64)",
+            )
+        if backend.name in seen_backends:
+            raise _fail(
+                f"backends[{i}].name",
+                f"duplicate backend name {backend.name!r} (also backends[{seen_backends[backend.name]}])",
+            )
+        seen_backends[backend.name] = i
+        if not backend.kind:
+            raise _fail(f"backends[{i}].kind", "must not be empty")
+        for key in _TIMEOUT_KEYS:
+            value = getattr(backend, key)
+            if value is not None and value <= 0:
+                raise _fail(f"backends[{i}].{key}", f"must be > 0 seconds (or absent), got {value}")
+        if backend.circuit_failure_threshold < 1:
+            raise _fail(f"backends[{i}].circuit_failure_threshold", "must be >= 1")
+        if backend.circuit_cooldown_s < 0:
+            raise _fail(f"backends[{i}].circuit_cooldown_s", "must be >= 0")
+        if backend.max_concurrency is not None and backend.max_concurrency < 1:
+            raise _fail(f"backends[{i}].max_concurrency", "must be >= 1 (or absent)")
+
+    seen_aliases: dict[str, int] = {}
+    for i, model in enumerate(config.models):
+        if not model.alias.strip():
+            raise _fail(f"models[{i}].alias", "must not be empty")
+        if model.alias in seen_aliases:
+            raise _fail(
+                f"models[{i}].alias",
+                f"duplicate model alias {model.alias!r} (also models[{seen_aliases[model.alias]}])",
+            )
+        seen_aliases[model.alias] = i
+        if not model.backends:
+            raise _fail(f"models[{i}].backends", "must name at least one backend")
+        listed: set[str] = set()
+        for name in model.backends:
+            if name not in seen_backends:
+                raise _fail(f"models[{i}].backends", f"unknown backend {name!r}")
+            if name in listed:
+                raise _fail(f"models[{i}].backends", f"backend {name!r} is listed twice")
+            listed.add(name)
+
+
+def _apply_env(config: InfermuxConfig, env: Mapping[str, str]) -> InfermuxConfig:
+    server = config.server
+    if env.get(ENV_HOST):
+        server = msgspec.structs.replace(server, host=env[ENV_HOST])
+    if env.get(ENV_PORT):
+        raw_port = env[ENV_PORT]
+        try:
+            port = int(raw_port)
+        except ValueError:
+            port = None
+        if port is None or not 0 <= port <= 65535:
+            raise ConfigError(
+                f"{ENV_PORT}: expected a port number 0-65535, got {raw_port!r}", key=ENV_PORT
+            )
+        server = msgspec.structs.replace(server, port=port)
+    if server is config.server:
+        return config
+    return msgspec.structs.replace(config, server=server)

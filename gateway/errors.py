@@ -1,0 +1,137 @@
+"""The one place where any exception becomes an HTTP error: the OpenAI envelope.
+
+``{"error": {"message", "type", "param", "code"}}`` for :class:`InfermuxError` subclasses
+(status, ``Retry-After`` and extra headers from the error), for Litestar's own 404 / 405 /
+413 / validation / malformed-body errors (400 with ``param`` taken from msgspec's path:
+``$.messages[0].role`` -> ``messages[0].role``) and for anything unexpected (500, logged,
+with the request id in the message). Streams that already started get the same body as an
+SSE frame (:func:`error_frame`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import (
+    HTTPException,
+    MethodNotAllowedException,
+    NotFoundException,
+    SerializationException,
+    ValidationException,
+)
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+
+from backends.errors import (
+    InfermuxError,
+    InvalidRequestError,
+    NotFoundError,
+    RequestTooLargeError,
+)
+from gateway.request_id import REQUEST_ID_HEADER, request_id_of
+from gateway.validation_message import split_validation_message
+
+__all__ = [
+    "MethodNotAllowedError",
+    "error_frame",
+    "error_response",
+    "handle_exception",
+    "to_infermux_error",
+]
+
+logger = logging.getLogger("gateway")
+
+_encoder = msgspec.json.Encoder()
+
+
+class MethodNotAllowedError(InvalidRequestError):
+    """The path exists but not with this HTTP method."""
+
+    status_code = 405
+    code = "method_not_allowed"
+
+
+class _ClientError(InvalidRequestError):
+    """Another 4xx raised by the framework; the status is set per instance."""
+
+    code = "invalid_request"
+
+
+def to_infermux_error(exc: BaseException, request_id: str | None = None) -> InfermuxError:
+    """Map any exception onto the error tree (unexpected ones become a 500)."""
+    if isinstance(exc, InfermuxError):
+        return exc
+    if isinstance(exc, ValidationException):
+        return _validation_error(exc)
+    if isinstance(exc, RequestEntityTooLarge):
+        return RequestTooLargeError("the request body is larger than this server accepts")
+    if isinstance(exc, NotFoundException):
+        return NotFoundError(exc.detail if exc.detail != "Not Found" else "no such endpoint")
+    if isinstance(exc, MethodNotAllowedException):
+        return MethodNotAllowedError("this endpoint does not accept that HTTP method")
+    if isinstance(exc, SerializationException):
+        return InvalidRequestError(f"the body is not valid JSON: {exc}", code="invalid_json")
+    if isinstance(exc, (msgspec.ValidationError, msgspec.DecodeError)):
+        param, reason = split_validation_message(str(exc))
+        return InvalidRequestError(reason, param=param)
+    if isinstance(exc, HTTPException) and 400 <= exc.status_code < 500:
+        error = _ClientError(_http_detail(exc), headers=dict(exc.headers or {}))
+        error.status_code = exc.status_code
+        return error
+    logger.error("unexpected error in request %s", request_id, exc_info=exc)
+    return InfermuxError(
+        f"internal error; quote request id {request_id} when reporting it",
+        code="internal_error",
+    )
+
+
+def error_response(error: InfermuxError, request_id: str | None = None) -> Response[bytes]:
+    """The JSON error response for ``error``."""
+    headers: dict[str, str] = dict(error.headers)
+    if error.retry_after is not None:
+        headers["retry-after"] = str(max(0, math.ceil(error.retry_after)))
+    if request_id is not None:
+        headers[REQUEST_ID_HEADER] = request_id
+    return Response(
+        content=_encoder.encode(error.to_dict()),
+        status_code=error.status_code,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def error_frame(error: InfermuxError) -> bytes:
+    """The SSE frame that ends a stream that broke after its first byte (no ``[DONE]``)."""
+    return b"data: " + _encoder.encode(error.to_dict()) + b"\n\n"
+
+
+def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """Litestar exception handler for ``Exception`` (registered on the app)."""
+    request_id = request_id_of(request)
+    return error_response(to_infermux_error(exc, request_id), request_id)
+
+
+def _validation_error(exc: ValidationException) -> InvalidRequestError:
+    extra = exc.extra
+    detail = exc.detail
+    if isinstance(extra, list) and extra and isinstance(extra[0], dict):
+        first = extra[0]
+        message = str(first.get("message", detail))
+        key = first.get("key")
+        param, reason = split_validation_message(message)
+        if isinstance(key, str) and key not in ("data", "body"):
+            param = key if param is None else f"{key}.{param}"
+        if param is not None and param.startswith("data."):
+            param = param[len("data.") :]
+        if param is None and message.startswith("Expected `object`"):
+            reason = "the body must be a JSON object"
+        text = f"invalid value for '{param}': {reason}" if param else reason
+        return InvalidRequestError(text, param=param)
+    return InvalidRequestError(str(detail) or "invalid request")
+
+
+def _http_detail(exc: HTTPException) -> str:
+    return exc.detail or f"HTTP {exc.status_code}"

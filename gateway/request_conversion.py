@@ -1,0 +1,300 @@
+"""Wire request -> backend-neutral :class:`GenerationRequest`s (one per choice).
+
+Checks that need more than a type (roles, content parts, caps from ``[limits]``,
+combinations such as ``top_logprobs`` without ``logprobs``) live here and raise
+:class:`InvalidRequestError` naming the parameter. ``n`` and prompt lists fan out: choice
+``k`` of prompt ``p`` has ``choice_index = p * n + k`` and ``seed + k``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from backends.base import ChatMessage, GenerationRequest, SamplingParams
+from backends.errors import InvalidRequestError, UnsupportedParameterError
+from gateway.config import LimitsConfig
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+__all__ = [
+    "SMUGGLING_FIELDS",
+    "check_smuggled_fields",
+    "chat_generation_requests",
+    "completion_generation_requests",
+]
+
+#: Fields that would let a request redirect the gateway or reprogram the model's template.
+SMUGGLING_FIELDS = frozenset(
+    {"api_base", "base_url", "api_key", "api_version", "chat_template", "chat_template_kwargs"}
+)
+
+# "developer" is OpenAI's newer name for "system"; chat templates know "system".
+_ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+#: OpenAI's documented default for the legacy completions endpoint.
+_COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def check_smuggled_fields(raw_body: object) -> None:
+    """400 for fields that try to choose the upstream or the chat template."""
+    if not isinstance(raw_body, Mapping):
+        return
+    for field in SMUGGLING_FIELDS:
+        if field in raw_body:
+            raise UnsupportedParameterError(
+                f"'{field}' cannot be set by a request: infermux routes to the backends of its "
+                "own config and uses the model's own chat template",
+                param=field,
+            )
+
+
+def chat_generation_requests(
+    body: ChatCompletionRequest,
+    *,
+    request_id: str,
+    limits: LimitsConfig,
+    traceparent: str | None = None,
+) -> list[GenerationRequest]:
+    """One request per choice of a chat completion."""
+    _check_model(body.model)
+    if body.tools:
+        raise UnsupportedParameterError("tools are not supported by infermux yet", param="tools")
+    messages = tuple(_chat_message(i, m) for i, m in enumerate(body.messages))
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidRequestError(
+            "top_logprobs requires logprobs to be true", param="top_logprobs"
+        )
+    top_logprobs = body.top_logprobs or 0
+    _check_top_logprobs(top_logprobs, limits, "top_logprobs")
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    params = _sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=bool(body.logprobs),
+        top_logprobs=top_logprobs,
+        echo=False,
+        limits=limits,
+    )
+    n = _choice_count(body.n, 1, limits)
+    _check_stream_options(body.stream, body.stream_options is not None)
+    template = GenerationRequest(
+        request_id=request_id,
+        model=body.model,
+        kind="chat",
+        messages=messages,
+        params=params,
+        stream=bool(body.stream),
+        user=body.user,
+        response_format=_response_format(body.response_format),
+        traceparent=traceparent,
+    )
+    return _fan_out([template], n, request_id)
+
+
+def completion_generation_requests(
+    body: CompletionRequest,
+    *,
+    request_id: str,
+    limits: LimitsConfig,
+    traceparent: str | None = None,
+) -> list[GenerationRequest]:
+    """One request per (prompt, choice) of a text completion."""
+    _check_model(body.model)
+    if body.suffix is not None:
+        raise UnsupportedParameterError("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != 1:
+        raise UnsupportedParameterError("best_of is not supported; use n", param="best_of")
+    prompts = _prompts(body.prompt)
+    echo = bool(body.echo)
+    max_tokens = body.max_tokens if body.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
+    if max_tokens == 0 and not echo:
+        raise InvalidRequestError(
+            "max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens"
+        )
+    top_logprobs = body.logprobs or 0
+    _check_top_logprobs(top_logprobs, limits, "logprobs")
+    params = _sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=body.logprobs is not None,
+        top_logprobs=top_logprobs,
+        echo=echo,
+        limits=limits,
+    )
+    n = _choice_count(body.n, len(prompts), limits)
+    _check_stream_options(body.stream, body.stream_options is not None)
+    templates = [
+        GenerationRequest(
+            request_id=request_id,
+            model=body.model,
+            kind="completion",
+            prompt=prompt,
+            params=params,
+            stream=bool(body.stream),
+            user=body.user,
+            traceparent=traceparent,
+        )
+        for prompt in prompts
+    ]
+    return _fan_out(templates, n, request_id)
+
+
+def _fan_out(templates: list[GenerationRequest], n: int, request_id: str) -> list[GenerationRequest]:
+    if len(templates) == 1 and n == 1:
+        return templates
+    requests: list[GenerationRequest] = []
+    for prompt_index, template in enumerate(templates):
+        for k in range(n):
+            index = prompt_index * n + k
+            params = template.params
+            if params.seed is not None and k:
+                params = msgspec.structs.replace(params, seed=params.seed + k)
+            # Engines key their work on request_id; choices must not collide.
+            requests.append(
+                msgspec.structs.replace(
+                    template, request_id=f"{request_id}.{index}", choice_index=index, params=params
+                )
+            )
+    return requests
+
+
+def _check_model(model: str) -> None:
+    if not model.strip():
+        raise InvalidRequestError("model must name a model (see GET /v1/models)", param="model")
+
+
+def _chat_message(index: int, message: Any) -> ChatMessage:
+    role = _ROLE_ALIASES.get(message.role)
+    if role is None:
+        raise InvalidRequestError(
+            f"unsupported role {message.role!r}; use system, developer, user or assistant",
+            param=f"messages[{index}].role",
+        )
+    content = message.content
+    if content is None:
+        if role != "assistant":
+            raise InvalidRequestError(
+                f"a {message.role} message needs content", param=f"messages[{index}].content"
+            )
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        texts: list[str] = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise UnsupportedParameterError(
+                    f"content part type {part.type!r} is not supported; only text parts are",
+                    param=f"messages[{index}].content",
+                )
+            texts.append(part.text)
+        text = "\n".join(texts)
+    return ChatMessage(role=role, content=text, name=message.name)
+
+
+def _prompts(prompt: str | list[Any]) -> list[str | tuple[int, ...]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, int) for p in prompt):
+        return [_token_ids(prompt, "prompt")]
+    if all(isinstance(p, list) for p in prompt):
+        return [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise InvalidRequestError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists",
+        param="prompt",
+    )
+
+
+def _token_ids(ids: Sequence[int], param: str) -> tuple[int, ...]:
+    if not ids:
+        raise InvalidRequestError("a token-id prompt must not be empty", param=param)
+    if any(token_id < 0 for token_id in ids):
+        raise InvalidRequestError("token ids must be >= 0", param=param)
+    return tuple(ids)
+
+
+def _choice_count(n: int | None, num_prompts: int, limits: LimitsConfig) -> int:
+    n = 1 if n is None else n
+    if n > limits.max_n:
+        raise InvalidRequestError(f"n must be at most {limits.max_n}", param="n")
+    if n * num_prompts > limits.max_choices:
+        raise InvalidRequestError(
+            f"n times the number of prompts must be at most {limits.max_choices}",
+            param="n" if num_prompts == 1 else "prompt",
+        )
+    return n
+
+
+def _check_top_logprobs(value: int, limits: LimitsConfig, param: str) -> None:
+    if value > limits.max_top_logprobs:
+        raise InvalidRequestError(f"{param} must be at most {limits.max_top_logprobs}", param=param)
+
+
+def _check_stream_options(stream: bool | None, has_options: bool) -> None:
+    if has_options and not stream:
+        raise InvalidRequestError(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+
+
+def _stop(stop: str | list[str] | None, limits: LimitsConfig) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > limits.max_stop_sequences:
+        raise InvalidRequestError(
+            f"at most {limits.max_stop_sequences} stop sequences are allowed", param="stop"
+        )
+    for s in stops:
+        if not s:
+            raise InvalidRequestError("stop sequences must not be empty", param="stop")
+        if len(s) > limits.max_stop_chars:
+            raise InvalidRequestError(
+                f"a stop sequence may have at most {limits.max_stop_chars} characters",
+                param="stop",
+            )
+    return tuple(stops)
+
+
+def _response_format(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not response_format or response_format.get("type") == "text":
+        return None
+    return response_format
+
+
+def _sampling_params(
+    body: ChatCompletionRequest | CompletionRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+    echo: bool,
+    limits: LimitsConfig,
+) -> SamplingParams:
+    top_k = body.top_k
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        # vLLM clients send -1 (older) or 0 (newer) for "disabled".
+        top_k=None if top_k is None or top_k <= 0 else top_k,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        stop=_stop(body.stop, limits),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        echo=echo,
+    )

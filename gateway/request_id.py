@@ -1,0 +1,27 @@
+"""The request id: fresh for every request, echoed in ``x-request-id`` and error messages.
+
+It is never taken from the client: engines key their work on it, so two clients (or one
+retrying client) must not be able to make ids collide.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from litestar.connection import ASGIConnection
+
+__all__ = ["REQUEST_ID_HEADER", "request_id_of"]
+
+REQUEST_ID_HEADER = "x-request-id"
+
+_SCOPE_KEY = "infermux.request_id"
+
+
+def request_id_of(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
+    """The id of this request, created on first use and kept in the ASGI scope."""
+    scope: Any = connection.scope
+    request_id = scope.get(_SCOPE_KEY)
+    if request_id is None:
+        request_id = scope[_SCOPE_KEY] = uuid.uuid4().hex
+    return request_id

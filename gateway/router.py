@@ -1,0 +1,404 @@
+"""The model router: picks a backend for each request, falls back, retries, breaks circuits.
+
+For one request (one choice) the router
+
+1. resolves the alias (``ModelNotFoundError``) or the pinned backend (``x-infermux-backend``;
+   a name that does not serve the alias is a 400 ``unknown_backend``),
+2. orders the candidates: the ``infermux_select_backend`` hook's answer first, then the
+   alias's strategy (``priority``, ``round_robin``, ``least_outstanding``, or a plugin's),
+3. skips backends whose circuit is open (a half-open circuit lets one probe through),
+4. opens ``backend.generate(request)`` and waits for the FIRST chunk, bounded by the
+   backend's ``first_byte_timeout``. A retryable :class:`BackendError` there (connection
+   refused, 5xx, 429, timeout) counts against the backend's circuit and the next candidate
+   is tried, up to ``max_retries`` extra attempts; any other error propagates at once.
+
+Once the first chunk exists the request is committed to that backend: the gateway may
+already be sending bytes to the client, so no retry ever happens after it. A failure later
+in the stream still counts against the circuit.
+
+Circuit breaker per backend (passive health)::
+
+    closed --N consecutive failures--> open --cool-down--> half_open --probe ok--> closed
+                                         ^                     |
+                                         +----probe failed-----+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from backends.base import Backend, BackendConfig, GenerationChunk, GenerationRequest
+from backends.errors import (
+    BackendError,
+    BackendUnavailableError,
+    GenerationAbortedError,
+    InfermuxError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    UpstreamTimeoutError,
+)
+
+if TYPE_CHECKING:
+    from gateway.config import ModelConfig
+    from plugins.manager import PluginHooks
+
+__all__ = ["Attempt", "CircuitBreaker", "ModelRouter", "RoutedStream"]
+
+logger = logging.getLogger("gateway.router")
+
+CircuitState = Literal["closed", "open", "half_open"]
+
+
+class Attempt(msgspec.Struct, frozen=True, kw_only=True):
+    """One try of one backend while opening a request."""
+
+    backend_name: str
+    #: Why it failed, or None for the attempt that served the request.
+    error: Any = None  # InfermuxError | None (exceptions are not msgspec-typed values)
+    #: From calling ``generate`` to the first chunk or the error.
+    duration_s: float
+
+
+class CircuitBreaker:
+    """Consecutive-failure circuit of one backend (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        failure_threshold: int,
+        cooldown_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._state: CircuitState = "closed"
+        self.num_consecutive_failures = 0
+        self._opened_at = 0.0
+        self._probe_in_flight = False
+
+    @property
+    def state(self) -> CircuitState:
+        if self._state == "open" and self._clock() - self._opened_at >= self.cooldown_s:
+            self._state = "half_open"
+            self._probe_in_flight = False
+        return self._state
+
+    def seconds_until_half_open(self) -> float:
+        """How long an open circuit stays open (0 when it is not open)."""
+        if self.state != "open":
+            return 0.0
+        return max(0.0, self._opened_at + self.cooldown_s - self._clock())
+
+    def try_acquire(self) -> bool:
+        """May a request go to this backend now? In half-open, only one probe at a time."""
+        state = self.state
+        if state == "closed":
+            return True
+        if state == "open" or self._probe_in_flight:
+            return False
+        self._probe_in_flight = True
+        return True
+
+    def record_success(self) -> None:
+        if self._state != "closed":
+            logger.info("circuit closed again after a successful probe")
+        self._state = "closed"
+        self.num_consecutive_failures = 0
+        self._probe_in_flight = False
+
+    def record_failure(self) -> bool:
+        """Count a failure; returns True when this failure opened the circuit."""
+        self.num_consecutive_failures += 1
+        state = self.state
+        if state == "half_open" or (
+            state == "closed" and self.num_consecutive_failures >= self.failure_threshold
+        ):
+            self._state = "open"
+            self._opened_at = self._clock()
+            self._probe_in_flight = False
+            return True
+        return False
+
+    def release(self) -> None:
+        """An attempt ended without a verdict (the client left): free the probe slot."""
+        self._probe_in_flight = False
+
+
+class _Route:
+    """One alias: its candidates, strategy and retry budget."""
+
+    __slots__ = ("alias", "backend_names", "strategy", "max_retries")
+
+    def __init__(self, alias: str, backend_names: list[str], strategy: Any, max_retries: int):
+        self.alias = alias
+        self.backend_names = backend_names
+        self.strategy = strategy
+        self.max_retries = max_retries
+
+
+class ModelRouter:
+    """Routes requests for model aliases to backends (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        models: Sequence[ModelConfig],
+        backends: Mapping[str, Backend],
+        backend_configs: Mapping[str, BackendConfig],
+        hooks: PluginHooks,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backends = backends
+        self._configs = backend_configs
+        self._hooks = hooks
+        self._clock = clock
+        strategies = hooks.register_routing_strategies()
+        self._routes: dict[str, _Route] = {}
+        for i, model in enumerate(models):
+            for name in model.backends:
+                if name not in backends:
+                    raise ValueError(f"models[{i}].backends: unknown backend {name!r}")
+            factory = strategies.get(model.strategy)
+            if factory is None:
+                known = ", ".join(sorted(strategies)) or "(none registered)"
+                raise ValueError(
+                    f"models[{i}].strategy: unknown routing strategy {model.strategy!r} "
+                    f"(known: {known})"
+                )
+            self._routes[model.alias] = _Route(
+                model.alias, list(model.backends), factory(), model.max_retries
+            )
+        self._circuits: dict[str, CircuitBreaker] = {}
+        for name in backends:
+            config = backend_configs.get(name)
+            self._circuits[name] = CircuitBreaker(
+                failure_threshold=config.circuit_failure_threshold if config else 5,
+                cooldown_s=config.circuit_cooldown_s if config else 10.0,
+                clock=clock,
+            )
+        self._outstanding: dict[str, int] = dict.fromkeys(backends, 0)
+
+    def aliases(self) -> list[str]:
+        """Every model alias, in config order."""
+        return list(self._routes)
+
+    def backend_names(self, alias: str) -> list[str]:
+        """The backends serving ``alias`` in priority order; ``ModelNotFoundError`` if unknown."""
+        route = self._routes.get(alias)
+        if route is None:
+            raise ModelNotFoundError(f"the model {alias!r} does not exist", param="model")
+        return list(route.backend_names)
+
+    def circuit_states(self) -> dict[str, str]:
+        """``closed`` | ``open`` | ``half_open`` per backend."""
+        return {name: circuit.state for name, circuit in self._circuits.items()}
+
+    def outstanding(self) -> dict[str, int]:
+        """Open streams per backend (opening or streaming)."""
+        return dict(self._outstanding)
+
+    async def open(
+        self, request: GenerationRequest, *, pinned_backend: str | None = None
+    ) -> RoutedStream:
+        """Start ``request`` on a backend and return its stream with the first chunk fetched."""
+        route = self._routes.get(request.model)
+        if route is None:
+            raise ModelNotFoundError(f"the model {request.model!r} does not exist", param="model")
+        if pinned_backend is not None:
+            if pinned_backend not in route.backend_names:
+                raise InvalidRequestError(
+                    f"the backend {pinned_backend!r} (x-infermux-backend) does not serve the "
+                    f"model {route.alias!r}; it is served by: {', '.join(route.backend_names)}",
+                    param=None,
+                    code="unknown_backend",
+                )
+            ordered = [pinned_backend]
+        else:
+            ordered = self._order(route, request)
+
+        max_attempts = 1 + route.max_retries
+        attempts: list[Attempt] = []
+        last_error: InfermuxError | None = None
+        for name in ordered:
+            if len(attempts) >= max_attempts:
+                break
+            circuit = self._circuits[name]
+            if not circuit.try_acquire():
+                continue
+            stream = await self._attempt(name, circuit, request, attempts)
+            if stream is not None:
+                return stream
+            last_error = attempts[-1].error
+        if last_error is None:
+            # Nothing was tried: every candidate's circuit is open.
+            wait = min(self._circuits[n].seconds_until_half_open() for n in ordered)
+            raise BackendUnavailableError(
+                f"no backend of the model {route.alias!r} is available "
+                f"(circuit open for {', '.join(ordered)})",
+                retry_after=max(1.0, round(wait, 1)),
+            )
+        if last_error.retry_after is None and isinstance(last_error, BackendUnavailableError):
+            last_error.retry_after = 1.0
+        raise last_error
+
+    def _order(self, route: _Route, request: GenerationRequest) -> list[str]:
+        candidates = list(route.backend_names)
+        ordered = route.strategy.order(candidates, request, self._outstanding)
+        chosen = self._hooks.select_backend(request=request, candidates=candidates)
+        if chosen is not None:
+            ordered = [chosen] + [name for name in ordered if name != chosen]
+        return ordered
+
+    async def _attempt(
+        self,
+        name: str,
+        circuit: CircuitBreaker,
+        request: GenerationRequest,
+        attempts: list[Attempt],
+    ) -> RoutedStream | None:
+        """Open ``name`` and wait for its first chunk; None after a retryable failure."""
+        config = self._configs.get(name)
+        timeout = config.first_byte_timeout if config is not None else None
+        started = time.monotonic()
+        self._outstanding[name] += 1
+        stream = self._backends[name].generate(request)
+        try:
+            async with asyncio.timeout(timeout):
+                first = await anext(stream)
+        except BaseException as exc:
+            self._outstanding[name] -= 1
+            await _close(stream)
+            error = _as_error(name, exc, timeout)
+            if error is None:  # cancelled: the client left before an answer
+                circuit.release()
+                raise
+            attempts.append(Attempt(backend_name=name, error=error, duration_s=_since(started)))
+            if isinstance(error, BackendError) and not isinstance(error, GenerationAbortedError):
+                if circuit.record_failure():
+                    logger.warning(
+                        "backend %r: circuit opened after %d consecutive failures (last: %s)",
+                        name,
+                        circuit.num_consecutive_failures,
+                        error.message,
+                    )
+            else:
+                circuit.release()  # the backend answered; the request was at fault
+            if error.retryable:
+                logger.info("backend %r failed before the first chunk (%s); next", name, error)
+                return None
+            if error is exc:
+                raise
+            raise error from exc
+        circuit.record_success()
+        attempts.append(Attempt(backend_name=name, error=None, duration_s=_since(started)))
+        return RoutedStream(
+            backend_name=name,
+            attempts=attempts,
+            first=first,
+            stream=stream,
+            on_done=self._on_stream_done,
+        )
+
+    def _on_stream_done(self, name: str, error: InfermuxError | None) -> None:
+        self._outstanding[name] -= 1
+        if isinstance(error, BackendError) and not isinstance(error, GenerationAbortedError):
+            circuit = self._circuits[name]
+            if circuit.record_failure():
+                logger.warning("backend %r: circuit opened after a mid-stream failure", name)
+
+
+class RoutedStream:
+    """The chunks of one routed request; the first one was already fetched by the router.
+
+    Iterate it once. ``aclose()`` aborts the upstream work (HTTP stream closed, generation
+    stopped). Errors after the first chunk are never retried.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend_name: str,
+        attempts: list[Attempt],
+        first: GenerationChunk,
+        stream: AsyncIterator[GenerationChunk],
+        on_done: Callable[[str, InfermuxError | None], None],
+    ) -> None:
+        self.backend_name = backend_name
+        self.attempts = attempts
+        self._first: GenerationChunk | None = first
+        self._stream = stream
+        self._on_done: Callable[[str, InfermuxError | None], None] | None = on_done
+
+    def __aiter__(self) -> RoutedStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        first = self._first
+        if first is not None:
+            self._first = None
+            return first
+        if self._on_done is None:
+            raise StopAsyncIteration
+        try:
+            return await anext(self._stream)
+        except StopAsyncIteration:
+            self._finish(None)
+            raise
+        except InfermuxError as exc:
+            self._finish(exc)
+            raise
+        except asyncio.CancelledError:
+            self._finish(None)
+            raise
+        except Exception as exc:  # a backend broke its contract: still a typed error out
+            error = BackendError(f"backend {self.backend_name!r} failed: {exc}")
+            self._finish(error)
+            raise error from exc
+
+    async def aclose(self) -> None:
+        """Abort the upstream work. Idempotent."""
+        self._first = None
+        if self._on_done is not None:
+            self._finish(None)
+            await _close(self._stream)
+
+    def _finish(self, error: InfermuxError | None) -> None:
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done(self.backend_name, error)
+
+
+def _as_error(name: str, exc: BaseException, timeout: float | None) -> InfermuxError | None:
+    """The typed error for a failed first chunk; None when the caller was cancelled."""
+    if isinstance(exc, InfermuxError):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeoutError(
+            f"backend {name!r} sent nothing within its first-byte timeout ({timeout} s)"
+        )
+    if isinstance(exc, StopAsyncIteration):
+        return BackendError(f"backend {name!r} ended the stream without any output")
+    if isinstance(exc, asyncio.CancelledError) or not isinstance(exc, Exception):
+        return None
+    return BackendError(f"backend {name!r} failed: {type(exc).__name__}: {exc}")
+
+
+async def _close(stream: AsyncIterator[GenerationChunk]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except Exception:  # closing must not mask the error being handled
+        logger.debug("closing a backend stream raised", exc_info=True)
+
+
+def _since(started: float) -> float:
+    return time.monotonic() - started

@@ -1,0 +1,46 @@
+"""Wire types shared by several endpoints: usage, stream options, the error envelope."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "ErrorBody",
+    "ErrorResponse",
+    "PromptTokensDetails",
+    "StreamOptions",
+    "UsageInfo",
+]
+
+
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """``stream_options``: ``include_usage`` adds a final chunk with usage and no choices."""
+
+    include_usage: bool | None = None
+
+
+class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True):
+    #: Prompt tokens served from the backend's prefix cache.
+    cached_tokens: int
+
+
+class UsageInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Token counts of a response; ``prompt_tokens_details`` only when the backend knows."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """``{"error": {"message", "type", "param", "code"}}``: every 4xx/5xx body."""
+
+    error: ErrorBody

@@ -1,0 +1,184 @@
+"""What the running gateway holds: config, hooks, backends, the router, readiness.
+
+One :class:`GatewayState` per app, created by ``create_app`` and injected into handlers
+(Litestar ``Provide``). Backends load in the background after start-up so that ``/health``
+answers and ``/ready`` says "loading" meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING
+
+from backends.base import (
+    Backend,
+    BackendConfig,
+    Capabilities,
+    GenerationChunk,
+    GenerationRequest,
+    HealthStatus,
+    ModelInfo,
+)
+from backends.errors import BackendUnavailableError, ServerOverloadedError
+from gateway.config import InfermuxConfig
+
+if TYPE_CHECKING:
+    from gateway.router import ModelRouter
+    from plugins.manager import PluginHooks
+
+__all__ = ["FailedBackend", "GatewayState"]
+
+logger = logging.getLogger("gateway")
+
+
+class FailedBackend:
+    """Stands in for a backend whose ``start()`` failed: every request gets a retryable 503.
+
+    The router then falls back to the alias's other backends and opens this one's circuit,
+    exactly as for a backend that went down later.
+    """
+
+    def __init__(self, name: str, kind: str, reason: str) -> None:
+        self.name = name
+        self.kind = kind
+        self.reason = reason
+        self.capabilities = Capabilities()
+
+    async def start(self) -> None:
+        """Nothing to start."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Fails before the first chunk."""
+        return self._fail()
+
+    async def _fail(self) -> AsyncIterator[GenerationChunk]:
+        raise BackendUnavailableError(f"backend {self.name!r} failed to start: {self.reason}")
+        yield  # pragma: no cover - makes this an async generator
+
+    def model_info(self) -> ModelInfo:
+        """Only the name is known."""
+        return ModelInfo(id=self.name)
+
+    async def health(self) -> HealthStatus:
+        """Always unhealthy."""
+        return HealthStatus(ok=False, detail=self.reason)
+
+    async def aclose(self) -> None:
+        """Nothing to free."""
+
+
+class GatewayState:
+    """The gateway's runtime state (one per app)."""
+
+    def __init__(
+        self,
+        *,
+        config: InfermuxConfig,
+        hooks: PluginHooks,
+        backends: Mapping[str, Backend],
+        backend_configs: Mapping[str, BackendConfig],
+    ) -> None:
+        self.config = config
+        self.hooks = hooks
+        self.backends: dict[str, Backend] = dict(backends)
+        self.backend_configs = dict(backend_configs)
+        #: Backend name -> "loading" | "ready" | "failed: <why>".
+        self.backend_status: dict[str, str] = {name: "loading" for name in backends}
+        self.router: ModelRouter | None = None
+        #: Set when loading ended with no router (the reason is logged and shown by /ready).
+        self.load_error: str | None = None
+        #: Set on SIGTERM: /ready turns 503 and new generation requests are refused.
+        self.draining = False
+        self.started_at = int(time.time())
+        self._load_task: asyncio.Task[None] | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        """Routing works and the process is not shutting down."""
+        return self.router is not None and not self.draining
+
+    def require_router(self) -> ModelRouter:
+        """The router, or a 503 while loading / draining."""
+        if self.draining:
+            raise ServerOverloadedError("infermux is shutting down", retry_after=1)
+        if self.router is None:
+            if self.load_error is not None:
+                raise BackendUnavailableError(f"infermux failed to start: {self.load_error}")
+            raise BackendUnavailableError(
+                "infermux is still loading its backends", retry_after=1
+            )
+        return self.router
+
+    def model_backends(self) -> dict[str, list[str]]:
+        """Alias -> backend names, from the config (known before loading ends)."""
+        return {model.alias: list(model.backends) for model in self.config.models}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start_loading(self) -> None:
+        """Start every backend in the background, then build the router."""
+        self._load_task = asyncio.create_task(self._load(), name="infermux-load-backends")
+
+    async def wait_loaded(self) -> None:
+        """Wait until loading ended (successfully or not)."""
+        if self._load_task is not None:
+            await asyncio.shield(self._load_task)
+
+    async def _load(self) -> None:
+        total = len(self.backends)
+        for number, (name, backend) in enumerate(list(self.backends.items()), start=1):
+            logger.info("backend %d/%d %r (%s): starting", number, total, name, backend.kind)
+            began = time.monotonic()
+            try:
+                await backend.start()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+                logger.error("backend %r failed to start: %s", name, reason)
+                self.backend_status[name] = f"failed: {reason}"
+                self.backends[name] = FailedBackend(name, backend.kind, reason)
+                await _close_quietly(backend)
+                continue
+            self.backend_status[name] = "ready"
+            logger.info(
+                "backend %d/%d %r ready in %.1f s", number, total, name, time.monotonic() - began
+            )
+        try:
+            from gateway.router import ModelRouter
+
+            self.router = ModelRouter(
+                models=self.config.models,
+                backends=self.backends,
+                backend_configs=self.backend_configs,
+                hooks=self.hooks,
+            )
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("building the router failed")
+            return
+        aliases = ", ".join(m.alias for m in self.config.models) or "(none)"
+        logger.info("infermux ready: models %s", aliases)
+
+    async def shutdown(self) -> None:
+        """Stop loading, close every backend, tell plugins."""
+        self.draining = True
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+            try:
+                await self._load_task
+            except asyncio.CancelledError:
+                pass
+        for backend in self.backends.values():
+            await _close_quietly(backend)
+        await self.hooks.shutdown()
+
+
+async def _close_quietly(backend: Backend) -> None:
+    try:
+        await backend.aclose()
+    except Exception:
+        logger.exception("closing backend %r failed", backend.name)

@@ -1,0 +1,158 @@
+"""Test utilities: quick configs and a live gateway on a free loopback port.
+
+Importable from any test (``from gateway.testing import run_gateway, gateway_config``), and
+exposed as the ``live_gateway`` fixture by ``tests/conftest.py``::
+
+    with run_gateway(gateway_config()) as gw:      # gw is the base URL (a str)
+        client = gw.openai_client()                # official client, no retries
+        httpx.get(f"{gw}/health")
+        gw.backend("mock").num_finished            # the live backend object
+
+The server is uvicorn in a background thread with its own event loop, speaking real HTTP
+on 127.0.0.1; the block waits until ``/ready`` is 200 and stops the server on exit.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import msgspec
+
+from backends.base import Backend, BackendConfig
+from gateway.app import create_app
+from gateway.config import (
+    InfermuxConfig,
+    LimitsConfig,
+    PluginsConfig,
+    ServerConfig,
+    config_from_dict,
+)
+from gateway.state import GatewayState
+
+__all__ = ["LiveGateway", "gateway_config", "mock_backend", "run_gateway"]
+
+
+def mock_backend(name: str = "mock", **options: Any) -> BackendConfig:
+    """A ``kind = "mock"`` backend (echo; see ``backends.mock.MockOptions``)."""
+    return BackendConfig(name=name, kind="mock", options=options)
+
+
+def gateway_config(
+    *backends: BackendConfig,
+    models: Mapping[str, list[str]] | None = None,
+    strategy: str = "priority",
+    max_retries: int = 2,
+    server: ServerConfig | None = None,
+    limits: LimitsConfig | None = None,
+    plugins: PluginsConfig | None = None,
+) -> InfermuxConfig:
+    """A validated config in one line: ``gateway_config(mock_backend("a"), mock_backend("b"))``.
+
+    Without ``backends`` there is one mock backend named "mock"; without ``models`` one
+    alias "echo" is served by all backends in the given order.
+    """
+    backend_list = list(backends) or [mock_backend()]
+    if models is None:
+        models = {"echo": [b.name for b in backend_list]}
+    raw: dict[str, Any] = {
+        "backends": [msgspec.to_builtins(b) for b in backend_list],
+        "models": [
+            {"alias": alias, "backends": list(names), "strategy": strategy, "max_retries": max_retries}
+            for alias, names in models.items()
+        ],
+    }
+    for key, value in (("server", server), ("limits", limits), ("plugins", plugins)):
+        if value is not None:
+            raw[key] = msgspec.to_builtins(value)
+    # Through the real validation, so a test config is a config a user could write.
+    return config_from_dict(raw)
+
+
+class LiveGateway(str):
+    """The base URL of a running gateway (``http://127.0.0.1:PORT``), plus handles."""
+
+    state: GatewayState
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self}/v1"
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        """The official client pointed at this gateway (no retries, so failures show)."""
+        import openai
+
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 60.0)
+        return openai.OpenAI(base_url=self.openai_base_url, api_key="unused", **kwargs)
+
+    def backend(self, name: str) -> Any:
+        """The live backend object (e.g. a ``MockBackend`` with its counters)."""
+        return self.state.backends[name]
+
+
+@contextmanager
+def run_gateway(
+    config: InfermuxConfig,
+    *,
+    plugin_manager: Any | None = None,
+    backends: Mapping[str, Backend] | None = None,
+    ready_timeout_s: float = 600.0,
+    allow_failed_backends: bool = False,
+) -> Iterator[LiveGateway]:
+    """Serve ``config`` on a free 127.0.0.1 port until the block ends; waits for /ready."""
+    import uvicorn
+
+    app = create_app(config, plugin_manager=plugin_manager, backends=backends)
+    state: GatewayState = app.state.gateway
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"gateway-{port}", daemon=True
+    )
+    thread.start()
+    gateway = LiveGateway(f"http://127.0.0.1:{port}")
+    gateway.state = state
+    try:
+        _wait_ready(gateway, server, thread, ready_timeout_s)
+        failed = {n: s for n, s in state.backend_status.items() if s.startswith("failed")}
+        if failed and not allow_failed_backends:
+            raise RuntimeError(f"backends failed to start: {failed}")
+        yield gateway
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+
+
+def _wait_ready(
+    gateway: LiveGateway, server: Any, thread: threading.Thread, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the gateway exited during start-up (see the log above)")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the gateway did not start listening")
+        time.sleep(0.01)
+    with httpx.Client(timeout=10.0) as client:
+        while True:
+            answer = client.get(f"{gateway}/ready")
+            if answer.status_code == 200:
+                return
+            body = answer.json()
+            if body.get("status") == "failed":
+                raise RuntimeError(f"the gateway failed to start: {body}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway was not ready in {timeout_s} s: {body}")
+            time.sleep(0.02)

@@ -1,0 +1,1 @@
+"""Built-in behaviour written as ordinary hookimpls (registered by the plugin manager)."""

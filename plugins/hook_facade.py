@@ -1,0 +1,186 @@
+"""The typed facade the gateway and the router call hooks through.
+
+Why a facade: callers get typed methods with keyword arguments instead of ``pm.hook.*``;
+async hookimpls are awaited; notification hooks are isolated per plugin (one plugin raising
+or hanging neither stops the others nor reaches the client); chained hooks
+(``transform_request``) pass each result to the next implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from backends.errors import InfermuxError
+
+if TYPE_CHECKING:
+    from backends.base import Backend, BackendConfig, GenerationRequest, Usage
+    from gateway.config import InfermuxConfig
+
+__all__ = ["PluginHooks"]
+
+logger = logging.getLogger("plugins")
+
+
+class PluginHooks:
+    """Typed, async-aware access to the hooks of one plugin manager."""
+
+    def __init__(self, pm: pluggy.PluginManager, *, hook_timeout_s: float = 5.0) -> None:
+        self.pm = pm
+        self.hook_timeout_s = hook_timeout_s
+
+    # -- registration hooks -------------------------------------------------------------
+
+    def register_backend_kinds(self) -> dict[str, Callable[[BackendConfig], Backend]]:
+        """Collect ``kind -> factory`` from every plugin (first registration wins)."""
+        return self._collect_registrations("infermux_register_backend_kinds")
+
+    def register_routing_strategies(self) -> dict[str, Callable[[], Any]]:
+        """Collect ``strategy name -> factory`` from every plugin (first registration wins)."""
+        return self._collect_registrations("infermux_register_routing_strategies")
+
+    def _collect_registrations(self, hook_name: str) -> dict[str, Any]:
+        registered: dict[str, Any] = {}
+
+        def register(name: str, factory: Any) -> None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{hook_name}: register() needs a non-empty name, got {name!r}")
+            if not callable(factory):
+                raise ValueError(f"{hook_name}: the factory for {name!r} is not callable")
+            # pluggy calls built-ins (trylast) last, so a plugin's registration wins.
+            registered.setdefault(name, factory)
+
+        getattr(self.pm.hook, hook_name)(register=register)
+        return registered
+
+    # -- selection ----------------------------------------------------------------------
+
+    def select_backend(
+        self, *, request: GenerationRequest, candidates: Sequence[str]
+    ) -> str | None:
+        """The first plugin answer naming one of ``candidates``, else ``None``.
+
+        A plugin that raises, answers a name that is not a candidate, or is ``async`` is
+        reported and ignored (the strategy decides).
+        """
+        caller = self.pm.hook.infermux_select_backend
+        if not caller.get_hookimpls():
+            return None
+        try:
+            choice = caller(request=request, candidates=list(candidates))
+        except Exception:
+            logger.exception("infermux_select_backend raised; falling back to the strategy")
+            return None
+        if inspect.iscoroutine(choice):
+            choice.close()
+            logger.warning("infermux_select_backend must be synchronous; answer ignored")
+            return None
+        if choice is not None and choice not in candidates:
+            logger.warning(
+                "infermux_select_backend answered %r, not one of %s; ignored",
+                choice,
+                list(candidates),
+            )
+            return None
+        return choice
+
+    # -- request path -------------------------------------------------------------------
+
+    async def transform_request(self, *, request: GenerationRequest) -> GenerationRequest:
+        """Chain every ``infermux_transform_request``; an ``InfermuxError`` rejects."""
+        impls = self.pm.hook.infermux_transform_request.get_hookimpls()
+        if not impls:
+            return request
+        for impl in _registration_order(impls):
+            result = impl.function(*_arguments(impl, {"request": request}))
+            if inspect.isawaitable(result):
+                result = await result
+            if result is not None:
+                request = result
+        return request
+
+    async def on_response(
+        self,
+        *,
+        request: GenerationRequest,
+        backend_name: str,
+        usage: Usage | None,
+        finish_reason: str | None,
+    ) -> None:
+        """Notify every plugin that a choice finished (exceptions and timeouts logged)."""
+        await self._notify(
+            "infermux_on_response",
+            {
+                "request": request,
+                "backend_name": backend_name,
+                "usage": usage,
+                "finish_reason": finish_reason,
+            },
+        )
+
+    async def on_error(
+        self,
+        *,
+        request: GenerationRequest,
+        backend_name: str | None,
+        error: InfermuxError,
+        usage: Usage | None = None,
+    ) -> None:
+        """Notify every plugin that a choice failed or was abandoned."""
+        await self._notify(
+            "infermux_on_error",
+            {"request": request, "backend_name": backend_name, "error": error, "usage": usage},
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def startup(self, *, config: InfermuxConfig) -> None:
+        """Tell plugins the gateway starts (before backends load)."""
+        await self._notify("infermux_startup", {"config": config})
+
+    async def shutdown(self) -> None:
+        """Tell plugins the gateway stopped (after backends closed)."""
+        await self._notify("infermux_shutdown", {})
+
+    def has_implementations(self, hook_name: str) -> bool:
+        """Whether any plugin implements ``hook_name`` (lets callers skip work)."""
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    async def _notify(self, hook_name: str, kwargs: Mapping[str, Any]) -> None:
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        # Reversed: pluggy's own call order (tryfirst first, later registrations first).
+        for impl in reversed(impls):
+            if impl.wrapper or impl.hookwrapper:
+                continue
+            try:
+                result = impl.function(*_arguments(impl, kwargs))
+                if inspect.isawaitable(result):
+                    await asyncio.wait_for(result, self.hook_timeout_s)
+            except TimeoutError:
+                logger.warning(
+                    "plugin %r: %s took longer than %.1f s; abandoned",
+                    impl.plugin_name,
+                    hook_name,
+                    self.hook_timeout_s,
+                )
+            except Exception:
+                logger.exception("plugin %r: %s raised; ignored", impl.plugin_name, hook_name)
+
+
+def _arguments(impl: pluggy.HookImpl, kwargs: Mapping[str, Any]) -> list[Any]:
+    # A hookimpl may declare any subset of the spec's arguments, in any order.
+    return [kwargs[name] for name in impl.argnames]
+
+
+def _registration_order(impls: list[pluggy.HookImpl]) -> list[pluggy.HookImpl]:
+    # pluggy keeps [trylast (newest first), normal (oldest first), tryfirst (oldest first)].
+    plain = [i for i in impls if not (i.wrapper or i.hookwrapper)]
+    first = [i for i in plain if i.tryfirst]
+    normal = [i for i in plain if not i.tryfirst and not i.trylast]
+    last = [i for i in plain if i.trylast][::-1]
+    return first + normal + last

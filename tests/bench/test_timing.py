@@ -1,0 +1,151 @@
+"""The tool measures what a server really does: injected TTFT, gaps, slow requests, failures.
+
+Tolerances are generous (tens of milliseconds) because the machine is shared and loaded; they
+check the measurement's definitions, not anyone's speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from gateway.bench import (
+    BenchResult,
+    WorkloadSpec,
+    parse_slo,
+    run_benchmark,
+)
+
+from .fake_server import Behaviour, FakeOpenAI, ServerThread, bench_config
+
+TOL_MS = 40.0
+
+
+@pytest.fixture(scope="module")
+def timed_run() -> Iterator[BenchResult]:
+    """10 requests of 10 tokens; first token after 200 ms, then one every 20 ms; every 5th
+    request waits 600 ms for its first token; goodput SLO: TTFT <= 400 ms. Run once."""
+    server = ServerThread(
+        FakeOpenAI(Behaviour(ttft_s=0.2, gap_s=0.02, slow_every=5, slow_ttft_s=0.6))
+    )
+    url = server.start()
+    try:
+        yield asyncio.run(run_benchmark(bench_config(url, slo=parse_slo("ttft=400ms"))))
+    finally:
+        server.stop()
+
+
+async def test_ttft_ignores_the_empty_role_chunk_and_matches_the_injected_delay(
+    timed_run: BenchResult,
+) -> None:
+    # Which requests the server made slow depends on arrival order: compare sorted values.
+    ttfts = sorted(r.ttft_ms or 0.0 for r in timed_run.runs[0].records)
+    assert all(abs(t - 200) < TOL_MS for t in ttfts[:8]), ttfts
+    assert all(abs(t - 600) < TOL_MS for t in ttfts[8:]), ttfts
+
+
+async def test_itl_and_tpot_match_the_injected_gap(timed_run: BenchResult) -> None:
+    summary = timed_run.runs[0].summary
+    for record in timed_run.runs[0].records:
+        assert len(record.itl_ms) == 9  # 10 tokens, 9 gaps
+        assert record.output_tokens == 10
+        assert record.tpot_ms is not None and abs(record.tpot_ms - 20) < 10
+    assert summary.itl_ms.count == 90
+    assert summary.itl_ms.mean is not None and abs(summary.itl_ms.mean - 20) < 10
+    assert summary.tpot_ms.p50 is not None and abs(summary.tpot_ms.p50 - 20) < 10
+    # E2E = TTFT + 9 gaps.
+    assert summary.e2e_ms.p50 is not None and abs(summary.e2e_ms.p50 - 380) < TOL_MS
+
+
+async def test_percentiles_reflect_the_slow_requests(timed_run: BenchResult) -> None:
+    ttft = timed_run.runs[0].summary.ttft_ms
+    # 8 values near 200 and 2 near 600, interpolated linearly: p50 sits at sorted position
+    # 4.5 (two fast values), p90 at 8.1 and p99 at 8.91 (both between the two slow ones).
+    assert ttft.p50 is not None and abs(ttft.p50 - 200) < TOL_MS
+    assert ttft.p90 is not None and abs(ttft.p90 - 600) < TOL_MS
+    assert ttft.p99 is not None and abs(ttft.p99 - 600) < TOL_MS
+    assert ttft.mean is not None and abs(ttft.mean - 280) < TOL_MS
+
+
+async def test_goodput_counts_only_requests_within_the_slo(timed_run: BenchResult) -> None:
+    summary = timed_run.runs[0].summary
+    assert summary.slo_attainment == pytest.approx(0.8)
+    assert summary.goodput == pytest.approx(8 / summary.duration_s)
+    assert summary.request_throughput == pytest.approx(10 / summary.duration_s)
+    assert summary.output_throughput == pytest.approx(100 / summary.duration_s)
+
+
+async def test_concurrency_limit_and_rate_shape_the_run(
+    fake_server: Callable[[Behaviour], str],
+) -> None:
+    behaviour = Behaviour(ttft_s=0.1, gap_s=0.0)
+    url = fake_server(behaviour)
+    result = await run_benchmark(
+        bench_config(
+            url,
+            concurrency=1,
+            workload=WorkloadSpec(name="fixed", num_requests=4, input_len=16, output_len=2),
+        )
+    )
+    # One at a time: each request starts after the previous one ended.
+    starts = sorted(start for start, _ in behaviour.intervals)
+    ends = sorted(end for _, end in behaviour.intervals)
+    assert all(starts[i + 1] >= ends[i] - 0.005 for i in range(3))
+    assert result.runs[0].summary.duration_s > 0.4 - 0.05
+
+
+async def test_failures_are_counted_and_kept_out_of_the_latencies(
+    fake_server: Callable[[Behaviour], str],
+) -> None:
+    url = fake_server(Behaviour(ttft_s=0.05, gap_s=0.01, fail_every=3))
+    result = await run_benchmark(
+        bench_config(
+            url, workload=WorkloadSpec(name="fixed", num_requests=9, input_len=16, output_len=4)
+        )
+    )
+    summary = result.runs[0].summary
+    assert (summary.num_completed, summary.num_failed) == (6, 3)
+    assert summary.errors == {"HTTP 500: injected failure": 3}
+    assert summary.ttft_ms.count == 6
+
+
+async def test_without_usage_output_tokens_come_from_chunks(
+    fake_server: Callable[[Behaviour], str],
+) -> None:
+    url = fake_server(Behaviour(ttft_s=0.05, gap_s=0.01, report_usage=False))
+    result = await run_benchmark(
+        bench_config(
+            url,
+            tokens_per_word=1.0,
+            workload=WorkloadSpec(name="fixed", num_requests=3, input_len=16, output_len=5),
+        )
+    )
+    summary = result.runs[0].summary
+    assert summary.usage_reported_fraction == 0
+    assert summary.mean_output_tokens == 5
+    assert summary.cache_hit_rate is None
+    assert all(r.prompt_tokens is None for r in result.runs[0].records)
+
+
+async def test_completions_endpoint_and_request_options(
+    fake_server: Callable[[Behaviour], str],
+) -> None:
+    behaviour = Behaviour(ttft_s=0.05, gap_s=0.01)
+    url = fake_server(behaviour)
+    result = await run_benchmark(
+        bench_config(
+            url + "/v1",
+            endpoint="completions",
+            ignore_eos=True,
+            extra_body={"top_k": 5},
+            workload=WorkloadSpec(name="fixed", num_requests=2, input_len=16, output_len=3),
+        )
+    )
+    assert result.runs[0].summary.num_completed == 2
+    body = behaviour.bodies[0]
+    assert isinstance(body["prompt"], str) and "messages" not in body
+    assert body["ignore_eos"] is True and body["top_k"] == 5 and body["max_tokens"] == 3
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["model"] == "fake-model"  # discovered through GET /v1/models

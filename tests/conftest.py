@@ -1,0 +1,38 @@
+"""Shared fixtures: a live gateway on a free loopback port (see :mod:`gateway.testing`).
+
+``live_gateway`` is session-scoped and returns a context-manager factory, so fixtures and
+tests of any scope can start a real server::
+
+    def test_x(live_gateway):
+        with live_gateway(gateway_config(mock_backend("a"))) as gw:
+            gw.openai_client().models.list()
+
+    @pytest.fixture(scope="module")
+    def real(live_gateway):
+        with live_gateway(default_config()) as gw:      # loads the real model once
+            yield gw
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+
+import pytest
+
+from gateway.testing import LiveGateway, gateway_config, run_gateway
+
+
+@pytest.fixture(scope="session")
+def live_gateway() -> Callable[..., AbstractContextManager[LiveGateway]]:
+    """``with live_gateway(config, plugin_manager=..., backends=...) as gw:``."""
+    return run_gateway
+
+
+@pytest.fixture()
+def echo_gateway(
+    live_gateway: Callable[..., AbstractContextManager[LiveGateway]],
+) -> Iterator[LiveGateway]:
+    """A gateway with one mock backend "mock" serving the alias "echo"."""
+    with live_gateway(gateway_config()) as gateway:
+        yield gateway

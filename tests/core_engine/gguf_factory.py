@@ -1,0 +1,176 @@
+"""Tiny random-weight Llama GGUF files that llama.cpp and core_engine both load (shared helper).
+
+``write_llama_gguf(tmp_path / "tiny.gguf")`` writes a 2-layer, hidden-64 model with GQA
+(4 heads, 2 kv heads), a byte-level BPE vocabulary of ~400 tokens (256 bytes, merges learned
+from a small built-in corpus, ChatML control tokens) and a ChatML chat template. Every call with
+the same arguments writes the same bytes. Weights can be stored as F32, F16, BF16, Q8_0, Q4_0
+or Q4_1 (quantised with ``gguf.quants``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE
+from core_engine.tokenizer.byte_level import BYTE_TO_CHAR, encode_bytes
+from core_engine.tokenizer.pre_tokenizer import PreTokenizer
+
+__all__ = ["SPECIAL_TOKENS", "TinyLlamaSpec", "build_tiny_vocab", "write_llama_gguf"]
+
+#: Control tokens at ids 0, 1, 2 (eos = <|im_end|>, bos = <|endoftext|>).
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. The dog sleeps in the sun; the fox runs home.
+def forward(self, input_ids, positions):
+    return self.model(input_ids, positions)  # the model returns logits
+In the beginning there were tokens, and the tokens were merged into words and the words into text.
+Numbers like 12345 and 2024 appear in text, and so do emails like someone@example.com.
+Hello world! Hello there, how are you today? I'm fine, thanks; we've been testing the tokenizer.
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyLlamaSpec:
+    """Shape and tokenizer settings of a generated model."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    context_length: int = 256
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = False
+    num_merges: int = 160
+    pre: str = "smollm"
+    add_bos: bool = True
+    seed: int = 0
+
+
+def build_tiny_vocab(num_merges: int, pre: str = "smollm") -> tuple[list[str], list[int], list[str]]:
+    """Tokens, token types and merges of a byte-level BPE trained greedily on a small corpus."""
+    words = Counter(
+        encode_bytes(word) for word in PreTokenizer("smollm" if pre == "smollm" else "gpt2").split(_CORPUS)
+    )
+    splits = {word: list(word) for word in words}
+    merges: list[str] = []
+    merged_tokens: list[str] = []
+    for _ in range(num_merges):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, count in words.items():
+            parts = splits[word]
+            for a, b in zip(parts, parts[1:], strict=False):
+                pairs[(a, b)] += count
+        if not pairs:
+            break
+        # Most frequent pair; ties broken by the pair's text so the vocab is deterministic.
+        (a, b), _ = max(pairs.items(), key=lambda item: (item[1], item[0]))
+        merges.append(f"{a} {b}")
+        merged_tokens.append(a + b)
+        for word in words:
+            parts, out, i = splits[word], [], 0
+            while i < len(parts):
+                if i + 1 < len(parts) and parts[i] == a and parts[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(parts[i])
+                    i += 1
+            splits[word] = out
+    tokens = [*SPECIAL_TOKENS, *BYTE_TO_CHAR, *dict.fromkeys(merged_tokens)]
+    token_types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
+    return tokens, token_types, merges
+
+
+def _encode_weight(array: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+    if qtype == GGMLQuantizationType.F32:
+        return array.astype(np.float32), None
+    if qtype == GGMLQuantizationType.F16:
+        return array.astype(np.float16), None
+    return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
+
+
+def write_llama_gguf(
+    path: str | Path,
+    *,
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    spec: TinyLlamaSpec | None = None,
+) -> Path:
+    """Write a random-weight Llama GGUF to ``path`` and return the path.
+
+    Matrices (including the token embedding) use ``weight_type``; norms stay F32, as in
+    llama.cpp's quantised files. q/k weights are random, so their llama.cpp row order needs no
+    permutation here.
+    """
+    spec = spec or TinyLlamaSpec()
+    path = Path(path)
+    rng = np.random.default_rng(spec.seed)
+    tokens, token_types, merges = build_tiny_vocab(spec.num_merges, spec.pre)
+    vocab = len(tokens)
+    head_dim = spec.hidden_size // spec.num_heads
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-random-llama")
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(spec.num_layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(spec.num_heads)
+    writer.add_head_count_kv(spec.num_kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(spec.rms_eps)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(spec.pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(spec.add_bos)
+    writer.add_chat_template(FALLBACK_CHATML_TEMPLATE)
+
+    def matrix(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def norm(size: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    def add(name: str, array: np.ndarray) -> None:
+        if array.ndim == 1:
+            writer.add_tensor(name, array.astype(np.float32))
+            return
+        data, raw_dtype = _encode_weight(array, weight_type)
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+
+    # Scales keep activations O(1) so logits spread over a few units: a meaningful 1e-3 check.
+    add("token_embd.weight", matrix(vocab, hidden, 2.0 / hidden**0.5))
+    for i in range(spec.num_layers):
+        add(f"blk.{i}.attn_norm.weight", norm(hidden))
+        add(f"blk.{i}.attn_q.weight", matrix(spec.num_heads * head_dim, hidden, 1.5 / hidden**0.5))
+        add(f"blk.{i}.attn_k.weight", matrix(spec.num_kv_heads * head_dim, hidden, 1.5 / hidden**0.5))
+        add(f"blk.{i}.attn_v.weight", matrix(spec.num_kv_heads * head_dim, hidden, 1.0 / hidden**0.5))
+        add(f"blk.{i}.attn_output.weight", matrix(hidden, spec.num_heads * head_dim, 1.0 / hidden**0.5))
+        add(f"blk.{i}.ffn_norm.weight", norm(hidden))
+        add(f"blk.{i}.ffn_gate.weight", matrix(inter, hidden, 1.0 / hidden**0.5))
+        add(f"blk.{i}.ffn_up.weight", matrix(inter, hidden, 1.0 / hidden**0.5))
+        add(f"blk.{i}.ffn_down.weight", matrix(hidden, inter, 1.0 / inter**0.5))
+    add("output_norm.weight", norm(hidden))
+    if not spec.tie_embeddings:
+        add("output.weight", matrix(vocab, hidden, 2.0 / hidden**0.5))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

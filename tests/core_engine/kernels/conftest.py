@@ -1,0 +1,36 @@
+"""Kernel tests. Two kinds of module live here:
+
+* ``test_kernel_reference.py`` (and the dispatch tests in it): the torch references against
+  plain formulas. Always collected; they run on ``INFERMUX_TEST_DEVICE`` (default ``cpu``).
+* ``test_triton_*.py``: each Triton kernel against its reference. They need a place where
+  Triton runs: ``INFERMUX_TEST_DEVICE=cuda`` (scripts/gpu_check.sh) or the CPU interpreter
+  (``TRITON_INTERPRET=1``). The variable must be set before triton is first imported and it
+  changes what every ``@triton.jit`` builds, so a plain ``pytest`` run does not set it here:
+  ``test_kernel_interpreter.py`` runs these modules in a child pytest with it set instead.
+
+Run them directly with ``TRITON_INTERPRET=1 python -m pytest tests/core_engine/kernels``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from core_engine.kernels.dispatch import interpreter_enabled
+
+_DEVICE = os.environ.get("INFERMUX_TEST_DEVICE", "cpu").strip() or "cpu"
+_TRITON_RUNS_HERE = _DEVICE == "cuda" or interpreter_enabled()
+
+# Exactly one of the two ways to run the Triton tests is collected.
+collect_ignore_glob = ["test_kernel_interpreter.py"] if _TRITON_RUNS_HERE else ["test_triton_*.py"]
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where the kernel tests put their tensors (``INFERMUX_TEST_DEVICE``, default cpu)."""
+    dev = torch.device(_DEVICE)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail("INFERMUX_TEST_DEVICE=cuda but torch sees no CUDA device")
+    return dev

@@ -1,0 +1,96 @@
+"""Shared inputs for the kernel tests: paged KV caches with known dense contents, tolerances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Per dtype (atol, rtol) for kernel vs reference. bf16 allows ~2 ulp: the Triton interpreter
+# rounds fp32 -> bf16 by truncation where a GPU (and torch) round to nearest.
+TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+
+
+@dataclass
+class PagedKV:
+    """A paged cache holding known per-sequence K/V, with everything unused set to NaN."""
+
+    k_cache: Tensor  # (num_blocks, block_size, n_kv_heads, head_dim)
+    v_cache: Tensor
+    block_tables: Tensor  # (num_seqs, max_blocks) int32, padded with 0
+    context_lens: Tensor  # (num_seqs,) int32
+    keys: list[Tensor]  # per sequence (context_len, n_kv_heads, head_dim), the dense truth
+    values: list[Tensor]
+
+
+def make_paged_kv(
+    context_lens: list[int],
+    *,
+    block_size: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    extra_table_width: int = 1,
+) -> PagedKV:
+    """Scatter random dense K/V for each sequence into shuffled blocks of one pool.
+
+    Unused slots (the tails of partial blocks, spare blocks) are NaN, so a kernel that reads
+    past a sequence's end turns its output into NaN. Tables are wider than needed by
+    ``extra_table_width`` zero-padded entries.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 2  # two spare blocks nobody owns
+    k_cache = torch.full((num_blocks, block_size, n_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq) + extra_table_width
+    block_tables = torch.zeros((len(context_lens), max_blocks), dtype=torch.int32)
+    keys, values = [], []
+    for s, (n, nb) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
+        k = torch.randn((n, n_kv_heads, head_dim), generator=gen).to(dtype)
+        v = torch.randn((n, n_kv_heads, head_dim), generator=gen).to(dtype)
+        keys.append(k.to(device))
+        values.append(v.to(device))
+        ids = [order.pop() for _ in range(nb)]
+        block_tables[s, :nb] = torch.tensor(ids, dtype=torch.int32)
+        for j in range(n):
+            k_cache[ids[j // block_size], j % block_size] = k[j].float()
+            v_cache[ids[j // block_size], j % block_size] = v[j].float()
+    return PagedKV(
+        k_cache=k_cache.to(dtype).to(device),
+        v_cache=v_cache.to(dtype).to(device),
+        block_tables=block_tables.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        keys=keys,
+        values=values,
+    )
+
+
+def dense_decode_attention(
+    q: Tensor, keys: list[Tensor], values: list[Tensor], scale: float
+) -> Tensor:
+    """Textbook attention, one sequence at a time in float64: softmax(q k^T * scale) v.
+
+    q: (num_seqs, n_heads, head_dim); keys[s], values[s]: (len_s, n_kv_heads, head_dim).
+    """
+    outs = []
+    for s, (k, v) in enumerate(zip(keys, values, strict=True)):
+        group = q.shape[1] // k.shape[1]
+        k_full = k.double().repeat_interleave(group, dim=1)  # (L, n_heads, D)
+        v_full = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[s].double(), k_full) * scale  # (n_heads, L)
+        outs.append(torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v_full))
+    return torch.stack(outs)  # (num_seqs, n_heads, D)
