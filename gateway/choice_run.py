@@ -83,6 +83,9 @@ class ChoiceRun:
             except InfermuxError as exc:
                 await _report_open_failure(hooks, request, exc)
                 raise
+            except asyncio.CancelledError:
+                await _report_abandoned(hooks, [request])
+                raise
             return cls(hooks, [ChoiceState(request, stream)], n=n)
 
         tasks = [
@@ -90,24 +93,32 @@ class ChoiceRun:
             for r in transformed
         ]
         try:
-            await asyncio.wait(tasks)
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:
             # Cancelled (client gone): abandon whatever opened meanwhile.
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _settle(tasks)
             await cls(hooks, _opened(transformed, tasks), n=n).aclose()
+            await _report_abandoned(hooks, _unopened(transformed, tasks))
             raise
-        first_error = next((t.exception() for t in tasks if t.exception() is not None), None)
-        if first_error is None:
+        if not pending and all(t.exception() is None for t in tasks):
             choices = [ChoiceState(r, t.result()) for r, t in zip(transformed, tasks, strict=True)]
             return cls(hooks, choices, n=n)
-        # One choice failed: the whole request fails. Abandon the siblings that opened.
+        # One choice failed: the whole request fails. Abandon the siblings.
+        await _settle(tasks)
         await cls(hooks, _opened(transformed, tasks), n=n).aclose()
-        for request, task in zip(transformed, tasks, strict=True):
-            error = task.exception()
+        failures = [
+            (request, task.exception())
+            for request, task in zip(transformed, tasks, strict=True)
+            if not task.cancelled() and task.exception() is not None
+        ]
+        for request, error in failures:
             if isinstance(error, InfermuxError):
                 await _report_open_failure(hooks, request, error)
+        await _report_abandoned(
+            hooks, [r for r, t in zip(transformed, tasks, strict=True) if t.cancelled()]
+        )
+        first_error = failures[0][1]
+        assert first_error is not None
         raise first_error
 
     @property
@@ -137,11 +148,11 @@ class ChoiceRun:
         ]
         remaining = len(self.choices)
         while remaining:
-            position, chunk, error = await queue.get()
+            position, item, error = await queue.get()
             choice = self.choices[position]
-            if chunk is not None:
-                _account(choice, chunk)
-                yield position, chunk
+            if item is not None:
+                _account(choice, item)
+                yield position, item
             elif error is not None:
                 raise self._fail(choice, error) from error
             else:
@@ -255,8 +266,34 @@ async def _report_open_failure(
     )
 
 
+async def _settle(tasks: Sequence[asyncio.Future[RoutedStream]]) -> None:
+    """Cancel the tasks still opening and wait until every task has ended."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _unopened(
+    requests: Sequence[GenerationRequest], tasks: Sequence[asyncio.Future[RoutedStream]]
+) -> list[GenerationRequest]:
+    return [request for request, task in zip(requests, tasks, strict=True) if task.cancelled()]
+
+
+async def _report_abandoned(hooks: PluginHooks, requests: Sequence[GenerationRequest]) -> None:
+    # Cancelled while the router was still waiting for a first chunk: the backend (if any)
+    # was already told to stop by the router; the choice still gets its one report.
+    for request in requests:
+        await hooks.on_error(
+            request=request,
+            backend_name=None,
+            error=GenerationAbortedError("aborted before the first token"),
+            usage=None,
+        )
+
+
 def _opened(
-    requests: Sequence[GenerationRequest], tasks: list[asyncio.Future[RoutedStream]]
+    requests: Sequence[GenerationRequest], tasks: Sequence[asyncio.Future[RoutedStream]]
 ) -> list[ChoiceState]:
     return [
         ChoiceState(request, task.result())

@@ -221,7 +221,9 @@ def _check_backend_keys(backends: Any) -> None:
         if isinstance(table, dict):
             for key in table:
                 if key not in _BACKEND_KEYS:
-                    raise ConfigError(f"backends[{i}].{key}: unknown key", key=f"backends[{i}].{key}")
+                    raise ConfigError(
+                        f"backends[{i}].{key}: unknown key", key=f"backends[{i}].{key}"
+                    )
 
 
 def _fail(key: str, reason: str) -> ConfigError:

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import (
+    ClientException,
     HTTPException,
     MethodNotAllowedException,
     NotFoundException,
@@ -72,8 +73,14 @@ def to_infermux_error(exc: BaseException, request_id: str | None = None) -> Infe
         return NotFoundError(exc.detail if exc.detail != "Not Found" else "no such endpoint")
     if isinstance(exc, MethodNotAllowedException):
         return MethodNotAllowedError("this endpoint does not accept that HTTP method")
-    if isinstance(exc, SerializationException):
-        return InvalidRequestError(f"the body is not valid JSON: {exc}", code="invalid_json")
+    if isinstance(exc, SerializationException) or (
+        isinstance(exc, ClientException) and isinstance(exc.__cause__, SerializationException)
+    ):
+        detail = exc.detail if isinstance(exc, ClientException) else str(exc)
+        return InvalidRequestError(f"the body is not valid JSON: {detail}", code="invalid_json")
+    if isinstance(exc, RecursionError):
+        # msgspec's decoder refuses absurdly deep nesting this way.
+        return InvalidRequestError("the JSON body is nested too deeply", code="invalid_json")
     if isinstance(exc, (msgspec.ValidationError, msgspec.DecodeError)):
         param, reason = split_validation_message(str(exc))
         return InvalidRequestError(reason, param=param)
@@ -128,6 +135,9 @@ def _validation_error(exc: ValidationException) -> InvalidRequestError:
             param = param[len("data.") :]
         if param is None and message.startswith("Expected `object`"):
             reason = "the body must be a JSON object"
+        if key == "data" and isinstance(exc.__cause__, msgspec.ValidationError):
+            if "missing required field `data`" in str(exc.__cause__):
+                return InvalidRequestError("the request body is empty; send a JSON object")
         text = f"invalid value for '{param}': {reason}" if param else reason
         return InvalidRequestError(text, param=param)
     return InvalidRequestError(str(detail) or "invalid request")

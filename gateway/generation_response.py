@@ -66,8 +66,12 @@ async def respond(
     router = gateway.require_router()
     pinned = request.headers.get(BACKEND_HEADER) or None
     if stream:
-        run = await ChoiceRun.open(
-            router=router, hooks=gateway.hooks, requests=requests, n=n, pinned_backend=pinned
+        # Until the first chunk exists a disconnect is watched here; then by the Stream.
+        run = await _while_connected(
+            request,
+            ChoiceRun.open(
+                router=router, hooks=gateway.hooks, requests=requests, n=n, pinned_backend=pinned
+            ),
         )
         frames = _sse(run, output, request_id)
         return Stream(
@@ -105,7 +109,9 @@ async def respond(
     )
 
 
-async def _sse(run: ChoiceRun, output: OutputBuilder, request_id: str) -> AsyncGenerator[bytes, None]:
+async def _sse(
+    run: ChoiceRun, output: OutputBuilder, request_id: str
+) -> AsyncGenerator[bytes, None]:
     try:
         yield output.start_frames()
         async for position, chunk in run.events():

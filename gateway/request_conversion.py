@@ -31,7 +31,12 @@ SMUGGLING_FIELDS = frozenset(
 )
 
 # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-_ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLE_ALIASES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
 
 #: OpenAI's documented default for the legacy completions endpoint.
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -63,9 +68,7 @@ def chat_generation_requests(
         raise UnsupportedParameterError("tools are not supported by infermux yet", param="tools")
     messages = tuple(_chat_message(i, m) for i, m in enumerate(body.messages))
     if body.top_logprobs and not body.logprobs:
-        raise InvalidRequestError(
-            "top_logprobs requires logprobs to be true", param="top_logprobs"
-        )
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     top_logprobs = body.top_logprobs or 0
     _check_top_logprobs(top_logprobs, limits, "top_logprobs")
     max_tokens = (
@@ -143,7 +146,9 @@ def completion_generation_requests(
     return _fan_out(templates, n, request_id)
 
 
-def _fan_out(templates: list[GenerationRequest], n: int, request_id: str) -> list[GenerationRequest]:
+def _fan_out(
+    templates: list[GenerationRequest], n: int, request_id: str
+) -> list[GenerationRequest]:
     if len(templates) == 1 and n == 1:
         return templates
     requests: list[GenerationRequest] = []

@@ -107,9 +107,7 @@ class GatewayState:
         if self.router is None:
             if self.load_error is not None:
                 raise BackendUnavailableError(f"infermux failed to start: {self.load_error}")
-            raise BackendUnavailableError(
-                "infermux is still loading its backends", retry_after=1
-            )
+            raise BackendUnavailableError("infermux is still loading its backends", retry_after=1)
         return self.router
 
     def model_backends(self) -> dict[str, list[str]]:

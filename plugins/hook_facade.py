@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from backends.base import GenerationRequest
 from backends.errors import InfermuxError
 
 if TYPE_CHECKING:
-    from backends.base import Backend, BackendConfig, GenerationRequest, Usage
+    from backends.base import Backend, BackendConfig, Usage
     from gateway.config import InfermuxConfig
 
 __all__ = ["PluginHooks"]
@@ -100,8 +101,14 @@ class PluginHooks:
             result = impl.function(*_arguments(impl, {"request": request}))
             if inspect.isawaitable(result):
                 result = await result
-            if result is not None:
-                request = result
+            if result is None:
+                continue
+            if not isinstance(result, GenerationRequest):
+                raise TypeError(
+                    f"plugin {impl.plugin_name!r}: infermux_transform_request returned "
+                    f"{type(result).__name__}, not a GenerationRequest"
+                )
+            request = result
         return request
 
     async def on_response(

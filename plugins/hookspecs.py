@@ -51,7 +51,9 @@ def infermux_register_backend_kinds(
 
 
 @hookspec
-def infermux_register_routing_strategies(register: Callable[[str, Callable[[], Any]], None]) -> None:
+def infermux_register_routing_strategies(
+    register: Callable[[str, Callable[[], Any]], None],
+) -> None:
     """Register routing strategies (the ``strategy`` of a ``[[models]]`` table).
 
     Called once when the router is built. Call ``register(name, factory)``; ``factory()``

@@ -72,6 +72,19 @@ class InfermuxPluginManager(pluggy.PluginManager):
         """Remember a plugin's load outcome (later records of a name replace earlier ones)."""
         self._records[record.name] = record
 
+    def drop_invalid_plugins(self) -> None:
+        """``check_pending()``, but a plugin implementing an unknown hook (a typo such as
+        ``infermux_on_respons``) is reported and unregistered instead of stopping start-up."""
+        while True:
+            try:
+                self.check_pending()
+                return
+            except pluggy.PluginValidationError as exc:
+                name = self.get_name(exc.plugin) or repr(exc.plugin)
+                self.unregister(exc.plugin)
+                record = self._records.get(name) or PluginRecord(name=name, source="registered")
+                _report_failure(self, record, exc)
+
     def plugin_records(self) -> list[PluginRecord]:
         """Every plugin seen at load time, with the hooks the loaded ones implement now."""
         records: list[PluginRecord] = []
@@ -143,7 +156,7 @@ def create_plugin_manager(
                 continue
             _register(pm, plugin, record)
 
-    _drop_pending(pm)
+    pm.drop_invalid_plugins()
     return pm
 
 
@@ -154,21 +167,6 @@ def _register(pm: InfermuxPluginManager, plugin: object, record: PluginRecord) -
         _report_failure(pm, record, exc)
         return
     pm.record(record)
-
-
-def _drop_pending(pm: InfermuxPluginManager) -> None:
-    # check_pending() raises for the first unknown hook (a typo such as
-    # ``infermux_on_respons``); unregister that plugin and look again.
-    while True:
-        try:
-            pm.check_pending()
-            return
-        except pluggy.PluginValidationError as exc:
-            name = pm.get_name(exc.plugin) or repr(exc.plugin)
-            pm.unregister(exc.plugin)
-            previous = pm._records.get(name)
-            record = previous or PluginRecord(name=name, source="registered")
-            _report_failure(pm, record, exc)
 
 
 def _report_failure(pm: InfermuxPluginManager, record: PluginRecord, exc: BaseException) -> None:

@@ -46,10 +46,11 @@ def _q4_0(blocks: Tensor) -> Tensor:
 
 
 def _q4_1(blocks: Tensor) -> Tensor:
-    # block: d f16 | m f16 | qs u8[16]; w = q * d + m
-    d = _f16(blocks, 0)
-    m = _f16(blocks, 2)
-    return _nibbles(blocks[:, 4:]).float() * d + m
+    # block: d f16 | m f16 | qs u8[16]; w = q * d + m, rounded once (as ggml's fused
+    # multiply-add does): in float64 the product and the sum are exact.
+    d = _f16(blocks, 0).double()
+    m = _f16(blocks, 2).double()
+    return (_nibbles(blocks[:, 4:]).double() * d + m).float()
 
 
 _BLOCK_DEQUANTIZERS = {

@@ -130,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     request.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="send ignore_eos (vLLM, infermux) for fixed output lengths",
+        help="send ignore_eos (vLLM, infermux) and min_tokens=max_tokens (llama-cpp-python, vLLM) so output lengths are fixed",
     )
     request.add_argument("--temperature", default="0", help="sampling temperature; 'none' omits it")
     request.add_argument(

@@ -159,7 +159,10 @@ class BenchClient:
         if self._temperature is not None:
             body["temperature"] = self._temperature
         if self._ignore_eos:
-            body["ignore_eos"] = True  # vLLM's extension, also honoured by infermux
+            # vLLM's extension (infermux honours it too); min_tokens does the same on servers
+            # that only know that one (llama-cpp-python's server, vLLM).
+            body["ignore_eos"] = True
+            body["min_tokens"] = max_tokens
         body.update(self._extra_body)
         return body
 

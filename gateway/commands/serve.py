@@ -29,8 +29,12 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="routing config (TOML); default: $INFERMUX_CONFIG, else the embedded default",
     )
-    parser.add_argument("--host", default=None, help="listen address (overrides config and $INFERMUX_HOST)")
-    parser.add_argument("--port", type=_port, default=None, help="listen port (overrides config and $INFERMUX_PORT)")
+    parser.add_argument(
+        "--host", default=None, help="listen address (overrides config and $INFERMUX_HOST)"
+    )
+    parser.add_argument(
+        "--port", type=_port, default=None, help="listen port (overrides config and $INFERMUX_PORT)"
+    )
     parser.add_argument(
         "--log-level",
         default="info",

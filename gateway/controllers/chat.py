@@ -6,6 +6,8 @@ import time
 from typing import Any
 
 from litestar import Controller, Request, Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from gateway.chat_output import ChatOutput
 from gateway.generation_response import respond
@@ -31,7 +33,10 @@ class ChatController(Controller):
         "the response's `x-infermux-backend` names the backend(s) that served.",
     )
     async def create_chat_completion(
-        self, request: Request[Any, Any, Any], data: ChatCompletionRequest, gateway: GatewayState
+        self,
+        request: Request[Any, Any, Any],
+        data: JSONBody[ChatCompletionRequest],
+        gateway: NamedDependency[GatewayState],
     ) -> Response[ChatCompletion]:
         request_id = request_id_of(request)
         check_smuggled_fields(await request.json())
@@ -49,7 +54,9 @@ class ChatController(Controller):
             num_choices=len(requests),
             logprobs=bool(data.logprobs),
             top_logprobs=data.top_logprobs or 0,
-            include_usage=bool(stream and data.stream_options and data.stream_options.include_usage),
+            include_usage=bool(
+                stream and data.stream_options and data.stream_options.include_usage
+            ),
         )
         return await respond(
             request,

@@ -6,6 +6,8 @@ import time
 from typing import Any
 
 from litestar import Controller, Request, Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from gateway.completion_output import CompletionOutput
 from gateway.generation_response import respond
@@ -31,7 +33,10 @@ class CompletionController(Controller):
         "token ids or lists of token ids; `echo` with `logprobs` scores the prompt.",
     )
     async def create_completion(
-        self, request: Request[Any, Any, Any], data: CompletionRequest, gateway: GatewayState
+        self,
+        request: Request[Any, Any, Any],
+        data: JSONBody[CompletionRequest],
+        gateway: NamedDependency[GatewayState],
     ) -> Response[Completion]:
         request_id = request_id_of(request)
         check_smuggled_fields(await request.json())
@@ -48,7 +53,9 @@ class CompletionController(Controller):
             model=data.model,
             num_choices=len(requests),
             logprobs=data.logprobs,
-            include_usage=bool(stream and data.stream_options and data.stream_options.include_usage),
+            include_usage=bool(
+                stream and data.stream_options and data.stream_options.include_usage
+            ),
         )
         return await respond(
             request,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from litestar import Controller, Response, get
+from litestar.di import NamedDependency
 
 from gateway.schemas import HealthResponse, ReadinessResponse
 from gateway.state import GatewayState
@@ -20,7 +21,7 @@ class HealthController(Controller):
         return HealthResponse()
 
     @get("/ready", summary="Readiness (503 while loading or draining)")
-    async def ready(self, gateway: GatewayState) -> Response[ReadinessResponse]:
+    async def ready(self, gateway: NamedDependency[GatewayState]) -> Response[ReadinessResponse]:
         if gateway.draining:
             status = "draining"
         elif gateway.router is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from litestar import Controller, get
+from litestar.di import NamedDependency
+from litestar.params import FromPath
 
 from backends.errors import ModelNotFoundError
 from gateway.schemas import ModelCard, ModelList
@@ -18,7 +20,7 @@ class ModelController(Controller):
     tags = ["models"]
 
     @get("", summary="List models")
-    async def list_models(self, gateway: GatewayState) -> ModelList:
+    async def list_models(self, gateway: NamedDependency[GatewayState]) -> ModelList:
         return ModelList(
             data=[
                 ModelCard(id=alias, created=gateway.started_at, backends=backends)
@@ -28,7 +30,9 @@ class ModelController(Controller):
 
     # ``:path`` because model ids often contain slashes (``org/model``).
     @get("/{model_id:path}", summary="Retrieve a model")
-    async def get_model(self, model_id: str, gateway: GatewayState) -> ModelCard:
+    async def get_model(
+        self, model_id: FromPath[str], gateway: NamedDependency[GatewayState]
+    ) -> ModelCard:
         alias = model_id.lstrip("/")
         backends = gateway.model_backends().get(alias)
         if backends is None:

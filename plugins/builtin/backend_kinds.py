@@ -50,7 +50,9 @@ class LazyBackendFactory:
 
 
 @hookimpl(trylast=True)
-def infermux_register_backend_kinds(register: Callable[[str, Callable[..., Backend]], None]) -> None:
+def infermux_register_backend_kinds(
+    register: Callable[[str, Callable[..., Backend]], None],
+) -> None:
     """Register every built-in kind (lazily imported)."""
     for kind, (module_name, hint) in BUILTIN_KINDS.items():
         register(kind, LazyBackendFactory(kind, module_name, hint))

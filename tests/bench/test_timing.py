@@ -146,6 +146,7 @@ async def test_completions_endpoint_and_request_options(
     assert result.runs[0].summary.num_completed == 2
     body = behaviour.bodies[0]
     assert isinstance(body["prompt"], str) and "messages" not in body
-    assert body["ignore_eos"] is True and body["top_k"] == 5 and body["max_tokens"] == 3
+    assert body["ignore_eos"] is True and body["min_tokens"] == body["max_tokens"] == 3
+    assert body["top_k"] == 5
     assert body["stream_options"] == {"include_usage": True}
     assert body["model"] == "fake-model"  # discovered through GET /v1/models

@@ -1,14 +1,17 @@
-"""Kernel tests. Two kinds of module live here:
+"""Kernel tests. Four kinds of module live here:
 
 * ``test_kernel_reference.py`` (and the dispatch tests in it): the torch references against
   plain formulas. Always collected; they run on ``INFERMUX_TEST_DEVICE`` (default ``cpu``).
 * ``test_triton_*.py``: each Triton kernel against its reference. They need a place where
   Triton runs: ``INFERMUX_TEST_DEVICE=cuda`` (scripts/gpu_check.sh) or the CPU interpreter
   (``TRITON_INTERPRET=1``). The variable must be set before triton is first imported and it
-  changes what every ``@triton.jit`` builds, so a plain ``pytest`` run does not set it here:
-  ``test_kernel_interpreter.py`` runs these modules in a child pytest with it set instead.
+  changes what every ``@triton.jit`` builds, so a plain ``pytest`` run does not set it:
+* ``test_kernel_interpreter.py`` runs the ``test_triton_*`` modules in a child pytest with it;
+* ``test_kernel_compile.py`` compiles every kernel for sm_90/sm_80 without a GPU.
 
-Run them directly with ``TRITON_INTERPRET=1 python -m pytest tests/core_engine/kernels``.
+The last two only run in a plain CPU run (on CUDA the kernels run for real; interpreted
+kernels cannot be compiled). By hand: ``TRITON_INTERPRET=1 python -m pytest
+tests/core_engine/kernels --confcutdir=tests/core_engine/kernels``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ _DEVICE = os.environ.get("INFERMUX_TEST_DEVICE", "cpu").strip() or "cpu"
 _TRITON_RUNS_HERE = _DEVICE == "cuda" or interpreter_enabled()
 
 # Exactly one of the two ways to run the Triton tests is collected.
-collect_ignore_glob = ["test_kernel_interpreter.py"] if _TRITON_RUNS_HERE else ["test_triton_*.py"]
+if _TRITON_RUNS_HERE:
+    collect_ignore_glob = ["test_kernel_interpreter.py", "test_kernel_compile.py"]
+else:
+    collect_ignore_glob = ["test_triton_*.py"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,398 @@
+"""The ``core_engine`` backend: infermux's own PyTorch engine, in-process.
+
+Many requests share one :class:`~core_engine.async_llm.AsyncLLM` (continuous batching, paged KV
+cache, prefix caching). This module only translates: a :class:`GenerationRequest` becomes token
+ids (chat rendered with the model's template) and engine :class:`~core_engine.sampling_params.
+SamplingParams`; engine outputs become :class:`GenerationChunk` s with usage (including
+``cached_tokens``), engine phases and logprobs; engine errors become :mod:`backends.errors`.
+Closing the iterator aborts the engine request, which frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from backends._option import decode_options
+from backends.base import (
+    BackendConfig,
+    Capabilities,
+    EnginePhases,
+    GenerationChunk,
+    GenerationRequest,
+    HealthStatus,
+    ModelInfo,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from backends.base import SamplingParams as WireParams
+from backends.errors import (
+    BackendError,
+    BackendUnavailableError,
+    ContextLengthExceededError,
+    InfermuxError,
+    InvalidRequestError,
+)
+from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+
+__all__ = ["CoreEngineBackend", "CoreEngineOptions", "create_backend"]
+
+logger = logging.getLogger(__name__)
+
+_PROGRESS_EVERY_S = 2.0
+
+
+class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a ``kind = "core_engine"`` backend (see ``core_engine.config.EngineConfig``)."""
+
+    #: GGUF file; default: the embedded SmolLM2-135M-Instruct.
+    model_path: str | None = None
+    #: "auto" (bf16 where the hardware has native bf16, else fp32), "bfloat16", "float32"...
+    dtype: str = "auto"
+    device: str = "cpu"
+    kv_cache_memory_mb: int = 512
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = 2
+    #: Seed for requests that send none (None: nondeterministic).
+    seed: int | None = None
+    #: ``model_info().id`` (default: the file name without ``.gguf``).
+    model_id: str | None = None
+
+
+class CoreEngineBackend:
+    """The native engine behind the Backend contract; see the module docstring."""
+
+    kind = "core_engine"
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.name = config.name
+        self.config = config
+        self.options = decode_options(config, CoreEngineOptions)
+        if self.options.kv_cache_memory_mb < 1:
+            raise ValueError(f"backends.{config.name}.options.kv_cache_memory_mb: must be at least 1")
+        self.capabilities = Capabilities(logprobs=True, echo=True, structured_outputs=False, max_top_logprobs=20)
+        self._llm: Any | None = None  # AsyncLLM
+        self._template: ChatTemplate | None = None
+        self._bos_text = ""
+        self._model_path: Path | None = None
+        self._pieces: dict[int, bytes] = {}
+        self._counter = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model on a worker thread (progress logged), then start the engine loop."""
+        if self._llm is not None:
+            return
+        path = self._resolve_model_path()
+        logger.info("backend %s: loading %s (%.0f MiB)", self.name, path.name, path.stat().st_size / 2**20)
+        started = time.monotonic()
+        future = asyncio.ensure_future(asyncio.to_thread(self._load, path))
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=_PROGRESS_EVERY_S)
+            if done:
+                break
+            logger.info("backend %s: still loading %s (%.0f s)", self.name, path.name, time.monotonic() - started)
+        self._llm = future.result()
+        logger.info("backend %s: loaded %s in %.1f s", self.name, path.name, time.monotonic() - started)
+
+    def _resolve_model_path(self) -> Path:
+        if self.options.model_path is not None:
+            path = Path(self.options.model_path).expanduser()
+        else:
+            from backends.default_model import default_model_path
+
+            try:
+                path = default_model_path()
+            except FileNotFoundError as exc:
+                raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
+        if not path.is_file():
+            raise BackendUnavailableError(
+                f"backend {self.name!r}: model file not found: {path} (backends.{self.name}.options.model_path)"
+            )
+        self._model_path = path
+        return path
+
+    def _load(self, path: Path) -> Any:
+        try:
+            from core_engine.async_llm import AsyncLLM
+            from core_engine.config import EngineConfig
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"backend {self.name!r}: the core engine needs torch: pip install -e '.[core]' ({exc})"
+            ) from exc
+        o = self.options
+        try:
+            config = EngineConfig(
+                model_path=str(path),
+                dtype=o.dtype,  # type: ignore[arg-type]
+                device=o.device,
+                kv_cache_memory_bytes=o.kv_cache_memory_mb * 2**20,
+                block_size=o.block_size,
+                max_num_batched_tokens=o.max_num_batched_tokens,
+                max_num_seqs=o.max_num_seqs,
+                max_model_len=o.max_model_len,
+                enable_prefix_caching=o.enable_prefix_caching,
+                num_threads=o.num_threads,
+                seed=o.seed,
+            )
+            llm = AsyncLLM.from_config(config)
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise BackendUnavailableError(f"backend {self.name!r}: could not load {path}: {exc}") from exc
+        tokenizer = llm.engine.tokenizer
+        self._bos_text = self._special_text(tokenizer, tokenizer.bos_token_id)
+        try:
+            self._template = ChatTemplate(
+                tokenizer.chat_template or FALLBACK_CHATML_TEMPLATE,
+                bos_token=self._bos_text,
+                eos_token=self._special_text(tokenizer, tokenizer.eos_token_id),
+            )
+        except ChatTemplateError as exc:
+            raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
+        return llm
+
+    @staticmethod
+    def _special_text(tokenizer: Any, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return tokenizer.token_to_bytes(token_id, skip_special=False).decode("utf-8", errors="replace")
+
+    def model_info(self) -> ModelInfo:
+        path = self._model_path
+        model_id = self.options.model_id or (path.name.removesuffix(".gguf") if path else self.name)
+        llm = self._llm
+        return ModelInfo(
+            id=model_id,
+            context_length=llm.engine.max_model_len if llm is not None else self.options.max_model_len,
+            chat_template=llm.engine.tokenizer.chat_template if llm is not None else None,
+        )
+
+    async def health(self) -> HealthStatus:
+        llm = self._llm
+        if llm is None:
+            return HealthStatus(ok=False, detail="model not loaded")
+        if not llm.is_running:
+            return HealthStatus(ok=False, detail="engine loop stopped")
+        return HealthStatus(ok=True, detail=f"{llm.engine.num_unfinished_requests} requests in flight")
+
+    async def aclose(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await llm.shutdown()
+
+    @property
+    def engine(self) -> Any:
+        """The :class:`~core_engine.llm_engine.LLMEngine` (tests, metrics); None before start."""
+        return self._llm.engine if self._llm is not None else None
+
+    # -- serving --------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream one choice; closing the iterator aborts the engine request."""
+        return self._generate(request)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        from core_engine.errors import EngineDeadError, InvalidParamError, RequestTooLongError
+
+        llm = self._llm
+        if llm is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        params = request.params
+        prompt_param = "messages" if request.kind == "chat" else "prompt"
+        prompt_ids, prompt_text = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size)
+        engine_params = self._engine_params(params, request.kind == "completion")
+        self._counter += 1
+        req_id = f"{request.request_id}-{request.choice_index}-{self._counter}"
+        want_logprobs = params.logprobs or params.top_logprobs > 0
+        eog = llm.engine.eos_token_ids | frozenset(params.stop_token_ids)
+        num_emitted = 0
+        stream = None
+        try:
+            try:
+                engine_request = llm.engine.make_request(req_id, prompt_ids, engine_params)
+            except RequestTooLongError as exc:
+                raise ContextLengthExceededError(
+                    exc.message, param=prompt_param if exc.param == "prompt" else exc.param
+                ) from exc
+            except InvalidParamError as exc:
+                raise InvalidRequestError(
+                    exc.message, param=prompt_param if exc.param == "prompt" else exc.param
+                ) from exc
+            stream = llm.generate(engine_request)
+            async for out in stream:
+                chunk_prompt_logprobs = None
+                if out.prompt_logprobs is not None:
+                    chunk_prompt_logprobs = self._prompt_logprobs(llm.engine.tokenizer, prompt_ids, out.prompt_logprobs)
+                if num_emitted == 0 and params.echo and request.kind == "completion":
+                    if engine_params.prompt_logprobs is not None and chunk_prompt_logprobs is None:
+                        continue  # prompt logprobs arrive once the whole prompt is prefilled
+                    yield GenerationChunk(prompt_text=prompt_text, prompt_logprobs=chunk_prompt_logprobs)
+                    num_emitted += 1
+                token_ids = list(out.new_token_ids)
+                logprobs = list(out.logprobs or ())
+                # The terminating EOS / stop token is not part of the completion (as llama.cpp).
+                if out.finished and out.finish_reason == "stop" and token_ids and token_ids[-1] in eog:
+                    if not isinstance(out.stop_reason, str):
+                        token_ids.pop()
+                        logprobs = logprobs[: len(token_ids)]
+                if not (out.new_text or token_ids or out.finished):
+                    continue
+                entries = None
+                if want_logprobs:
+                    entries = tuple(self._logprob_entry(llm.engine.tokenizer, lp) for lp in logprobs)
+                final = out.finished
+                num_emitted += 1
+                yield GenerationChunk(
+                    text=out.new_text,
+                    token_ids=tuple(token_ids),
+                    logprobs=entries,
+                    finish_reason=out.finish_reason if final else None,  # type: ignore[arg-type]
+                    usage=self._usage(out, eog) if final else None,
+                    phases=_phases(out.metrics) if final and out.metrics is not None else None,
+                )
+        except InfermuxError:
+            raise
+        except EngineDeadError as exc:
+            raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
+        except (InvalidParamError, RequestTooLongError) as exc:  # pragma: no cover - mapped above
+            raise InvalidRequestError(exc.message, param=exc.param) from exc
+        except Exception as exc:
+            logger.exception("core engine generation failed")
+            raise BackendError(f"core engine generation failed: {exc}") from exc
+        finally:
+            if stream is not None:
+                await stream.aclose()  # aborts the engine request if it is still running
+
+    def _prompt(self, request: GenerationRequest, tokenizer: Any, vocab_size: int) -> tuple[list[int], str]:
+        if request.kind == "chat":
+            assert self._template is not None
+            messages = [
+                {"role": m.role, "content": m.content} | ({"name": m.name} if m.name is not None else {})
+                for m in request.messages or ()
+            ]
+            try:
+                text = self._template.render(messages, add_generation_prompt=True)
+            except ChatTemplateError as exc:
+                raise InvalidRequestError(str(exc), param="messages") from exc
+            add_bos = not (self._bos_text and text.startswith(self._bos_text))
+            return tokenizer.encode(text, add_special=add_bos, parse_special=True), text
+        prompt = request.prompt
+        if isinstance(prompt, tuple):
+            bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="prompt"
+                )
+            return list(prompt), tokenizer.decode(prompt, skip_special=False)
+        text = prompt or ""
+        ids = tokenizer.encode(text, add_special=True, parse_special=True)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return ids, text
+
+    @staticmethod
+    def _engine_params(params: WireParams, is_completion: bool) -> Any:
+        from core_engine.errors import InvalidParamError
+        from core_engine.sampling_params import SamplingParams
+
+        want_logprobs = params.logprobs or params.top_logprobs > 0
+        try:
+            return SamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k or None,
+                min_p=params.min_p,
+                seed=params.seed,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+                repetition_penalty=params.repetition_penalty,
+                stop=params.stop,
+                stop_token_ids=params.stop_token_ids,
+                ignore_eos=params.ignore_eos,
+                logprobs=params.top_logprobs if want_logprobs else None,
+                prompt_logprobs=params.top_logprobs if (want_logprobs and params.echo and is_completion) else None,
+            )
+        except InvalidParamError as exc:
+            raise InvalidRequestError(exc.message, param=exc.param) from exc
+
+    def _piece(self, tokenizer: Any, token_id: int) -> bytes:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = tokenizer.token_to_bytes(token_id, skip_special=False)
+            self._pieces[token_id] = piece
+        return piece
+
+    def _logprob_entry(self, tokenizer: Any, record: Any, *, text_offset: int | None = None) -> TokenLogprob:
+        piece = self._piece(tokenizer, record.token_id)
+        return TokenLogprob(
+            token=piece.decode("utf-8", errors="replace"),
+            logprob=record.logprob,
+            token_id=record.token_id,
+            bytes=list(piece),
+            top_logprobs=tuple(
+                TopLogprob(
+                    token=self._piece(tokenizer, t).decode("utf-8", errors="replace"),
+                    logprob=lp,
+                    token_id=t,
+                    bytes=list(self._piece(tokenizer, t)),
+                )
+                for t, lp in record.top
+            ),
+            text_offset=text_offset,
+        )
+
+    def _prompt_logprobs(self, tokenizer: Any, prompt_ids: list[int], records: Any) -> tuple[TokenLogprob, ...]:
+        entries = []
+        offset = 0
+        for token_id, record in zip(prompt_ids, records, strict=True):
+            if record is None:
+                piece = self._piece(tokenizer, token_id)
+                entries.append(
+                    TokenLogprob(
+                        token=piece.decode("utf-8", errors="replace"), logprob=None, token_id=token_id,
+                        bytes=list(piece), text_offset=offset,
+                    )
+                )
+            else:
+                entries.append(self._logprob_entry(tokenizer, record, text_offset=offset))
+            offset += len(entries[-1].token)
+        return tuple(entries)
+
+    @staticmethod
+    def _usage(out: Any, eog: frozenset[int]) -> Usage:
+        completion = out.num_output_tokens
+        if out.finish_reason == "stop" and not isinstance(out.stop_reason, str) and completion:
+            completion -= 1  # the EOS / stop token that ended the request is not output
+        return Usage(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=completion,
+            cached_tokens=out.num_cached_tokens,
+        )
+
+
+def _phases(metrics: Any) -> EnginePhases:
+    def span(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else max(0.0, b - a)
+
+    return EnginePhases(
+        queued_s=span(metrics.arrival_time, metrics.first_scheduled_time),
+        prefill_s=span(metrics.first_scheduled_time, metrics.first_token_time),
+        decode_s=span(metrics.first_token_time, metrics.finished_time),
+    )
+
+
+def create_backend(config: BackendConfig) -> CoreEngineBackend:
+    """Factory registered for kind ``"core_engine"``."""
+    return CoreEngineBackend(config)

@@ -1,0 +1,329 @@
+"""The MLX backend's async side: options, loading, and streaming from the worker thread.
+
+One worker thread owns the model, the prompt cache and MLX's global random state; requests
+queue behind it in FIFO order (one stream at a time, as on the llama.cpp backend). Tokens go
+from the worker to the event loop through ``loop.call_soon_threadsafe`` into a per-request
+``asyncio.Queue`` as they are sampled. Closing the iterator sets a flag that the token loop
+checks after every token and between prefill chunks, so an abandoned request stops within
+one decode step.
+
+``model_path`` is a GGUF file (Llama family; see :mod:`backends.mlx.gguf_loader`) or a local
+MLX / Hugging Face directory (``config.json``, ``*.safetensors``, tokenizer files), loaded by
+mlx-lm. Nothing is ever downloaded: the hub is switched off before mlx-lm is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from backends._option import decode_options
+from backends.base import (
+    BackendConfig,
+    Capabilities,
+    GenerationChunk,
+    GenerationRequest,
+    HealthStatus,
+    ModelInfo,
+)
+from backends.errors import (
+    BackendError,
+    BackendUnavailableError,
+    InfermuxError,
+    UnsupportedParameterError,
+)
+
+__all__ = ["MLXBackend", "MLXOptions"]
+
+logger = logging.getLogger(__name__)
+
+_PROGRESS_EVERY_S = 2.0
+_MAX_TOP_LOGPROBS = 20
+
+
+class MLXOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a ``kind = "mlx"`` backend."""
+
+    #: GGUF file or MLX/Hugging Face model directory; default: the embedded SmolLM2-135M GGUF.
+    model_path: str | None = None
+    #: Context window in tokens (None: the model's own context length).
+    n_ctx: int | None = None
+    #: Float type of activations, float weights and quantization scales. None: float32 on
+    #: the CPU (MLX's CPU kernels for half-precision quantized matmuls are very slow),
+    #: float16 on a GPU.
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    #: Prompt tokens per prefill step (cancellation is checked between steps).
+    prefill_step_size: int = 512
+    #: Keep the last request's KV cache and reuse its common prefix with the next prompt.
+    prompt_cache: bool = True
+    #: Seed for requests that send none (None: a fresh random seed per request).
+    seed: int | None = None
+    #: ``model_info().id`` (default: the file or directory name, without ``.gguf``).
+    model_id: str | None = None
+
+
+class _Job:
+    """One generation handed to the worker thread, and the way back to the event loop."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[GenerationChunk | BaseException | None] = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def send(self, item: GenerationChunk | BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled.set()
+
+
+class MLXBackend:
+    """A model served by MLX in this process; see the module docstring."""
+
+    kind = "mlx"
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.name = config.name
+        self.config = config
+        self.options = decode_options(config, MLXOptions)
+        prefix = f"backends.{config.name}.options"
+        if self.options.n_ctx is not None and self.options.n_ctx < 16:
+            raise ValueError(f"{prefix}.n_ctx: must be at least 16")
+        if self.options.prefill_step_size < 1:
+            raise ValueError(f"{prefix}.prefill_step_size: must be at least 1")
+        self.capabilities = Capabilities(
+            logprobs=True,
+            echo=False,
+            structured_outputs=False,
+            max_top_logprobs=_MAX_TOP_LOGPROBS,
+        )
+        self._executor: ThreadPoolExecutor | None = None
+        self._runner: Any | None = None
+        self._model_path: Path | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model on the worker thread, logging progress while it loads."""
+        if self._runner is not None:
+            return
+        path = self._resolve_model_path()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlx-{self.name}")
+        logger.info("backend %s: loading %s with MLX", self.name, path)
+        started = time.monotonic()
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._load, path)
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=_PROGRESS_EVERY_S)
+            if done:
+                break
+            logger.info(
+                "backend %s: still loading %s (%.0f s)",
+                self.name,
+                path.name,
+                time.monotonic() - started,
+            )
+        try:
+            self._runner = future.result()
+        except BaseException:
+            self._shutdown_executor()
+            raise
+        logger.info(
+            "backend %s: loaded %s in %.1f s (n_ctx=%d)",
+            self.name,
+            path.name,
+            time.monotonic() - started,
+            self._runner.n_ctx,
+        )
+
+    def _resolve_model_path(self) -> Path:
+        if self.options.model_path is not None:
+            path = Path(self.options.model_path).expanduser()
+        else:
+            from backends.default_model import default_model_path
+
+            try:
+                path = default_model_path()
+            except FileNotFoundError as exc:
+                raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
+        if not (path.is_file() or path.is_dir()):
+            # Never a hub id: a missing path must not turn into a download.
+            raise BackendUnavailableError(
+                f"backend {self.name!r}: model not found: {path} "
+                f"(backends.{self.name}.options.model_path must be a GGUF file or a local "
+                "MLX/Hugging Face model directory)"
+            )
+        self._model_path = path
+        return path
+
+    def _load(self, path: Path) -> Any:
+        """Worker-thread body of ``start``: the model, its tokenizer, and the runner."""
+        import mlx.core as mx
+
+        from backends.mlx.runner import MLXRunner
+        from backends.mlx.tokenizer import MLXTokenizer
+
+        dtype_name = self.options.dtype
+        if dtype_name is None:
+            dtype_name = "float32" if mx.default_device().type == mx.cpu else "float16"
+        dtype = getattr(mx, dtype_name)
+        try:
+            if path.is_file():
+                from backends.mlx.gguf_loader import load_gguf_model
+
+                loaded = load_gguf_model(path, dtype=dtype)
+                model, context_length = loaded.model, loaded.context_length
+                tokenizer = MLXTokenizer.from_gguf(path, loaded.metadata)
+            else:
+                model, tokenizer, context_length = _load_directory(path, dtype)
+        except InfermuxError:
+            raise
+        except Exception as exc:  # loader errors of every kind: bad files, missing keys
+            raise BackendUnavailableError(
+                f"backend {self.name!r}: MLX could not load {path}: {exc}"
+            ) from exc
+        n_ctx = self.options.n_ctx or context_length or 2048
+        return MLXRunner(
+            model,
+            tokenizer,
+            n_ctx=n_ctx,
+            prefill_step_size=self.options.prefill_step_size,
+            use_prompt_cache=self.options.prompt_cache,
+            default_seed=self.options.seed,
+        )
+
+    def model_info(self) -> ModelInfo:
+        """The file/directory name, the context length in use and the model's chat template."""
+        path = self._model_path
+        model_id = self.options.model_id or (path.name.removesuffix(".gguf") if path else self.name)
+        runner = self._runner
+        return ModelInfo(
+            id=model_id,
+            context_length=runner.n_ctx if runner is not None else self.options.n_ctx,
+            chat_template=runner.tokenizer.chat_template if runner is not None else None,
+        )
+
+    async def health(self) -> HealthStatus:
+        """Loaded or not (no generation)."""
+        if self._runner is None:
+            return HealthStatus(ok=False, detail="model not loaded")
+        return HealthStatus(ok=True, detail="loaded")
+
+    async def aclose(self) -> None:
+        """Stop the worker thread after the current token and free the model."""
+        runner, self._runner = self._runner, None
+        executor = self._executor
+        if executor is None:
+            return
+        if runner is not None:
+            await asyncio.get_running_loop().run_in_executor(executor, runner.close)
+        self._shutdown_executor()
+
+    def _shutdown_executor(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def wait_idle(self) -> None:
+        """Wait until every generation queued so far has left the worker (drain, tests)."""
+        if self._executor is not None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens sampled since start, across requests (including abandoned ones)."""
+        return self._runner.num_generated_tokens if self._runner is not None else 0
+
+    # -- serving --------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream one choice; closing the iterator stops generation after the current token."""
+        return self._generate(request)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        self._check_supported(request)
+        runner, executor = self._runner, self._executor
+        if runner is None or executor is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        job = _Job(request, asyncio.get_running_loop())
+        try:
+            executor.submit(self._work, runner, job)
+        except RuntimeError as exc:  # executor shut down between the check and here
+            raise BackendUnavailableError(f"backend {self.name!r} is shutting down") from exc
+        try:
+            while True:
+                item = await job.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            job.cancelled.set()
+
+    def _check_supported(self, request: GenerationRequest) -> None:
+        """400 for what this backend cannot honour, before any work is queued."""
+        params = request.params
+        if params.echo:
+            raise UnsupportedParameterError(
+                f"echo is not supported by backends of kind 'mlx' (backend {self.name!r})",
+                param="echo",
+            )
+        if params.top_logprobs > _MAX_TOP_LOGPROBS:
+            raise UnsupportedParameterError(
+                f"top_logprobs above {_MAX_TOP_LOGPROBS} is not supported by backend "
+                f"{self.name!r}",
+                param="top_logprobs",
+            )
+        response_format = request.response_format
+        if response_format is not None and response_format.get("type", "text") != "text":
+            raise UnsupportedParameterError(
+                "structured outputs (response_format) are not supported by backends of kind "
+                f"'mlx' (backend {self.name!r})",
+                param="response_format",
+            )
+
+    @staticmethod
+    def _work(runner: Any, job: _Job) -> None:
+        """Worker-thread body: run the job, translate errors, always send the end marker."""
+        if job.cancelled.is_set():
+            return
+        try:
+            runner.run(job.request, job.send, job.cancelled.is_set)
+        except InfermuxError as exc:
+            job.send(exc)
+        except Exception as exc:  # anything MLX raises crosses as a BackendError
+            logger.exception("MLX generation failed")
+            error = BackendError(f"MLX generation failed: {exc}")
+            error.__cause__ = exc
+            job.send(error)
+        job.send(None)
+
+
+def _load_directory(path: Path, dtype: Any) -> tuple[Any, Any, int | None]:
+    """An MLX / Hugging Face directory through mlx-lm's own loader (local files only)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.utils import load
+
+    from backends.mlx.tokenizer import MLXTokenizer
+
+    model, wrapper, config = load(str(path), return_config=True)
+    # Float parameters in the requested type; quantized weights stay packed.
+    model.update(
+        tree_map(
+            lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+            model.parameters(),
+        )
+    )
+    mx.eval(model.parameters())
+    context_length = config.get("max_position_embeddings")
+    return model, MLXTokenizer.from_mlx_lm(wrapper), context_length

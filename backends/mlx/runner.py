@@ -1,0 +1,369 @@
+"""The blocking half of the MLX backend: prompts, the prompt cache and the token loop.
+
+Everything here runs on the backend's one worker thread: MLX's random state is global, so
+generations run one after another (a seeded request is reproducible only if nothing else
+draws from the RNG meanwhile), and the single prompt cache belongs to that thread.
+
+The token loop is mlx-lm's ``generate_step`` (prefill in chunks, then one token per step with
+the next step computed while the current token is handed out); this module adds stop strings
+and stop ids, logprobs, usage, cancellation and the prompt cache. Logprobs describe the
+model's distribution after penalties, before temperature and truncation.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from backends._stop import StopBuffer
+from backends.base import (
+    EnginePhases,
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from backends.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    UpstreamTimeoutError,
+)
+from backends.mlx import sampling
+from backends.mlx.tokenizer import IncrementalDecoder, MLXTokenizer
+from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+
+__all__ = ["MLXRunner"]
+
+#: A produced token: its id and, when asked for, its logprob entry.
+_Token = tuple[int, TokenLogprob | None]
+
+
+class _Cancelled(Exception):
+    """Raised inside the prefill callback to leave ``generate_step`` early."""
+
+
+class MLXRunner:
+    """Runs generations of one loaded model, keeping the KV cache of the last one for reuse."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: MLXTokenizer,
+        *,
+        n_ctx: int,
+        prefill_step_size: int,
+        use_prompt_cache: bool,
+        default_seed: int | None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n_ctx = n_ctx
+        self.n_vocab: int = int(model.args.vocab_size)
+        self._prefill_step_size = prefill_step_size
+        self._use_prompt_cache = use_prompt_cache
+        self._default_seed = default_seed
+        self.template = ChatTemplate(
+            tokenizer.chat_template or FALLBACK_CHATML_TEMPLATE,
+            bos_token=tokenizer.bos_text,
+            eos_token=tokenizer.eos_text,
+        )
+        # The KV cache of the previous generation and the tokens it holds, position by position.
+        self._cache: list[Any] | None = None
+        self._cache_tokens: list[int] = []
+        #: Tokens sampled since start, across requests (tests observe cancellation with it).
+        self.num_generated_tokens = 0
+
+    def close(self) -> None:
+        self._cache = None
+        self._cache_tokens = []
+        mx.clear_cache()
+
+    # -- prompt ---------------------------------------------------------------------------
+
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        """Token ids of the request's prompt (chat rendered with the model's template)."""
+        tokenizer = self.tokenizer
+        if request.kind == "chat":
+            messages = [
+                {"role": m.role, "content": m.content}
+                | ({"name": m.name} if m.name is not None else {})
+                for m in request.messages or ()
+            ]
+            try:
+                text = self.template.render(messages, add_generation_prompt=True)
+            except ChatTemplateError as exc:
+                raise InvalidRequestError(str(exc), param="messages") from exc
+            # The template writes BOS itself when the model wants one at the very start.
+            add_bos = tokenizer.add_bos and not (
+                tokenizer.bos_text and text.startswith(tokenizer.bos_text)
+            )
+            return tokenizer.encode(text, add_bos=add_bos)
+        prompt = request.prompt
+        if isinstance(prompt, tuple):
+            bad = next((t for t in prompt if not 0 <= t < self.n_vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"token id {bad} is outside the vocabulary (0..{self.n_vocab - 1})",
+                    param="prompt",
+                )
+            return list(prompt)
+        return tokenizer.encode(prompt or "", add_bos=tokenizer.add_bos)
+
+    def check_context(self, request: GenerationRequest, num_prompt: int) -> int:
+        """The effective ``max_tokens``; ``ContextLengthExceededError`` when it cannot fit."""
+        param = "messages" if request.kind == "chat" else "prompt"
+        if num_prompt >= self.n_ctx:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {self.n_ctx} tokens; the {param} "
+                f"has {num_prompt} tokens, leaving no room for output",
+                param=param,
+            )
+        max_tokens = request.params.max_tokens
+        if max_tokens is None:
+            return self.n_ctx - num_prompt
+        if num_prompt + max_tokens > self.n_ctx:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {self.n_ctx} tokens; you requested "
+                f"{num_prompt + max_tokens} ({num_prompt} in the {param}, {max_tokens} for "
+                f"the completion). Reduce the length of the {param} or of max_tokens.",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    # -- prompt cache ---------------------------------------------------------------------
+
+    def _reuse_cache(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
+        """A KV cache holding the longest reusable prefix of ``tokens``, and its length."""
+        cache = self._cache
+        self._cache, self._cache_tokens = None, self._cache_tokens
+        if cache is None or not self._use_prompt_cache or not can_trim_prompt_cache(cache):
+            self._cache_tokens = []
+            return make_prompt_cache(self.model), 0
+        num_common = 0
+        for previous, current in zip(self._cache_tokens, tokens, strict=False):
+            if previous != current:
+                break
+            num_common += 1
+        # The last prompt token is always fed again: its logits are what is sampled from.
+        num_common = min(num_common, len(tokens) - 1)
+        trim_prompt_cache(cache, cache[0].offset - num_common)
+        self._cache_tokens = self._cache_tokens[:num_common]
+        return cache, num_common
+
+    def _keep_cache(self, cache: list[Any], fed: Sequence[int]) -> None:
+        """Remember ``cache``; ``fed`` lists the tokens given to the model, in order."""
+        if not self._use_prompt_cache:
+            return
+        offset = cache[0].offset
+        # generate_step feeds each token before handing it out, so the cache never holds a
+        # token we have not seen; it may lack the last one (max_tokens reached).
+        assert offset <= len(fed), (offset, len(fed))
+        self._cache = cache
+        self._cache_tokens = list(fed[:offset])
+
+    # -- generation -----------------------------------------------------------------------
+
+    def run(
+        self,
+        request: GenerationRequest,
+        emit: Callable[[GenerationChunk], None],
+        is_cancelled: Callable[[], bool],
+    ) -> None:
+        """Generate one choice, handing each chunk to ``emit``; returns early when cancelled."""
+        params = request.params
+        tokens = self.prompt_tokens(request)
+        if not tokens:
+            if self.tokenizer.bos_token_id is None:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            tokens = [self.tokenizer.bos_token_id]
+        max_tokens = self.check_context(request, len(tokens))
+        if max_tokens == 0:
+            emit(_last_chunk("", [], False, "length", len(tokens), 0, 0, None, 0.0))
+            return
+        seed = params.seed if params.seed is not None else self._default_seed
+        mx.random.seed(seed if seed is not None else random.getrandbits(32))
+
+        cache, num_cached = self._reuse_cache(tokens)
+        fed: list[int] = tokens[:num_cached]  # what the cache holds, then what is fed to it
+        suffix = tokens[num_cached:]
+        fed.extend(suffix)
+        banned = () if not params.ignore_eos else self.tokenizer.eos_token_ids
+        processors = sampling.logits_processors(
+            params,
+            prompt_ids=tokens,
+            num_fed_prompt=len(suffix),
+            vocab_size=self.n_vocab,
+            banned_ids=[t for t in banned if t < self.n_vocab],
+        )
+
+        def on_prefill_progress(done: int, total: int) -> None:
+            if is_cancelled():
+                raise _Cancelled
+            _check_deadline(request.deadline)
+
+        started = time.monotonic()
+        steps = generate_step(
+            mx.array(suffix),
+            self.model,
+            max_tokens=max_tokens,
+            sampler=sampling.sampler(params),
+            logits_processors=processors or None,
+            prompt_cache=cache,
+            prefill_step_size=self._prefill_step_size,
+            prompt_progress_callback=on_prefill_progress,
+        )
+        try:
+            self._decode(
+                request, steps, emit, is_cancelled, fed,
+                max_tokens=max_tokens, num_prompt=len(tokens), num_cached=num_cached,
+                started=started,
+            )  # fmt: skip
+        except _Cancelled:
+            pass  # cancelled during prefill: the cache holds the chunks done so far
+        except BaseException:
+            self._cache, self._cache_tokens = None, []  # state unknown: start afresh next time
+            raise
+        finally:
+            steps.close()
+        self._keep_cache(cache, fed)
+
+    def _decode(
+        self,
+        request: GenerationRequest,
+        steps: Any,
+        emit: Callable[[GenerationChunk], None],
+        is_cancelled: Callable[[], bool],
+        fed: list[int],
+        *,
+        max_tokens: int,
+        num_prompt: int,
+        num_cached: int,
+        started: float,
+    ) -> None:
+        params = request.params
+        want_logprobs = params.logprobs or params.top_logprobs > 0
+        decoder = IncrementalDecoder(self.tokenizer, fed[:num_prompt])
+        stop_buffer: StopBuffer[_Token] = StopBuffer(params.stop)
+        stop_ids = set(params.stop_token_ids)
+        eos_ids = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
+        held: list[_Token] = []  # tokens whose text is not out yet (partial UTF-8, held stop)
+        num_generated = 0
+        finish_reason: FinishReason = "length"
+        hit_stop_string = False
+        prefill_s: float | None = None
+        for token, logprobs in steps:
+            if prefill_s is None:
+                prefill_s = time.monotonic() - started
+            fed.append(token)
+            self.num_generated_tokens += 1
+            if is_cancelled():
+                return
+            _check_deadline(request.deadline)
+            if token in stop_ids or token in eos_ids:
+                finish_reason = "stop"
+                break
+            num_generated += 1
+            entry = None
+            if want_logprobs:
+                entry = self._logprob_entry(logprobs, token, params.top_logprobs)
+            release = stop_buffer.push(decoder.add(token), (token, entry))
+            held.extend(release.payloads)
+            if release.text:
+                emit(_chunk(release.text, held, want_logprobs))
+                held = []
+            if release.stopped:
+                finish_reason = "stop"
+                hit_stop_string = True
+                break
+            if num_generated >= max_tokens:
+                break
+        text = ""
+        if not hit_stop_string:
+            release = stop_buffer.push(decoder.flush())
+            held.extend(release.payloads)
+            text = release.text
+            if release.stopped:
+                finish_reason = "stop"
+            else:
+                tail = stop_buffer.flush()
+                text += tail.text
+                held.extend(tail.payloads)
+        emit(
+            _last_chunk(
+                text, held, want_logprobs, finish_reason, num_prompt, num_generated,
+                num_cached, prefill_s, time.monotonic() - started - (prefill_s or 0.0),
+            )  # fmt: skip
+        )
+
+    # -- logprobs -------------------------------------------------------------------------
+
+    def _logprob_entry(self, logprobs: mx.array, token: int, num_top: int) -> TokenLogprob:
+        values = np.asarray(logprobs.astype(mx.float32))  # (vocab,)
+        piece = self.tokenizer.token_bytes(token)
+        top: tuple[TopLogprob, ...] = ()
+        if num_top > 0:
+            ids = np.argpartition(-values, num_top - 1)[:num_top]
+            ids = ids[np.argsort(-values[ids], kind="stable")]
+            top = tuple(self._top_entry(int(i), float(values[i])) for i in ids)
+        return TokenLogprob(
+            token=piece.decode("utf-8", errors="replace"),
+            logprob=float(values[token]),
+            token_id=token,
+            bytes=list(piece),
+            top_logprobs=top,
+        )
+
+    def _top_entry(self, token_id: int, logprob: float) -> TopLogprob:
+        piece = self.tokenizer.token_bytes(token_id)
+        return TopLogprob(
+            token=piece.decode("utf-8", errors="replace"),
+            logprob=logprob,
+            token_id=token_id,
+            bytes=list(piece),
+        )
+
+
+def _check_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise UpstreamTimeoutError("the request's deadline passed during generation")
+
+
+def _chunk(text: str, tokens: list[_Token], want_logprobs: bool) -> GenerationChunk:
+    return GenerationChunk(
+        text=text,
+        token_ids=tuple(token for token, _ in tokens),
+        logprobs=tuple(e for _, e in tokens if e is not None) if want_logprobs else None,
+    )
+
+
+def _last_chunk(
+    text: str,
+    tokens: list[_Token],
+    want_logprobs: bool,
+    finish_reason: FinishReason,
+    num_prompt: int,
+    num_generated: int,
+    num_cached: int,
+    prefill_s: float | None,
+    decode_s: float,
+) -> GenerationChunk:
+    last = _chunk(text, tokens, want_logprobs)
+    return GenerationChunk(
+        text=last.text,
+        token_ids=last.token_ids,
+        logprobs=last.logprobs if tokens else None,
+        finish_reason=finish_reason,
+        usage=Usage(
+            prompt_tokens=num_prompt, completion_tokens=num_generated, cached_tokens=num_cached
+        ),
+        phases=EnginePhases(prefill_s=prefill_s, decode_s=decode_s),
+    )

@@ -1,0 +1,217 @@
+"""The MLX backend's tokenizer: a Hugging Face tokenizer, built from GGUF metadata or a directory.
+
+For a GGUF file, ``transformers`` converts the file's own vocabulary, merges and special
+tokens into a fast tokenizer (offline: only the local file is read). For an MLX/Hugging Face
+directory, mlx-lm's loader provides it. Either way the backend needs only what this wrapper
+offers: encoding with special tokens recognised (as llama.cpp does with ``special=True``),
+streaming decoding that never splits a UTF-8 character, each token's bytes for logprobs, and
+the end-of-generation ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+__all__ = ["IncrementalDecoder", "MLXTokenizer"]
+
+#: Texts of control tokens that end a turn in common chat formats (llama.cpp treats them as
+#: end-of-generation too, whatever the file's ``eos_token_id`` says).
+_END_OF_TURN_TEXTS = frozenset(
+    {
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|end_of_text|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|return|>",
+    }
+)
+
+
+class MLXTokenizer:
+    """Encoding, decoding and special tokens of one model (wraps a HF fast tokenizer)."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        *,
+        eos_token_ids: Iterable[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.add_bos = add_bos
+        self.chat_template = chat_template if isinstance(chat_template, str) else None
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.bos_text: str = hf_tokenizer.bos_token or ""
+        self.eos_text: str = hf_tokenizer.eos_token or ""
+        self.vocab_size: int = len(hf_tokenizer)
+        self._special_ids = frozenset(hf_tokenizer.all_special_ids) | frozenset(
+            hf_tokenizer.added_tokens_decoder
+        )
+        self._byte_level = _is_byte_level(hf_tokenizer)
+        self._pieces: dict[int, bytes] = {}
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: Path, metadata: Mapping[str, Any]) -> MLXTokenizer:
+        """The tokenizer stored in a GGUF file's metadata (``tokenizer.ggml.*``)."""
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+        tokens: Sequence[str] = metadata.get("tokenizer.ggml.tokens") or []
+        types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or []
+        eos = {
+            int(metadata[key])
+            for key in (
+                "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.eot_token_id",
+                "tokenizer.ggml.eom_token_id",
+            )
+            if metadata.get(key) is not None
+        }
+        control = 3  # GGUF token type CONTROL
+        eos |= {
+            i
+            for i, text in enumerate(tokens)
+            if text in _END_OF_TURN_TEXTS and i < len(types) and types[i] == control
+        }
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token")
+        if add_bos is None:  # llama.cpp's default: SentencePiece vocabularies add BOS
+            add_bos = metadata.get("tokenizer.ggml.model") == "llama"
+        return cls(
+            hf,
+            eos_token_ids=eos,
+            add_bos=bool(add_bos),
+            chat_template=metadata.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_mlx_lm(cls, wrapper: Any) -> MLXTokenizer:
+        """Wrap the ``TokenizerWrapper`` that ``mlx_lm.load`` returns for a directory."""
+        hf = wrapper._tokenizer
+        probe = hf.encode("a", add_special_tokens=True)
+        add_bos = hf.bos_token_id is not None and probe[:1] == [hf.bos_token_id]
+        eos = set(wrapper.eos_token_ids or ())
+        if hf.eos_token_id is not None:
+            eos.add(hf.eos_token_id)
+        return cls(hf, eos_token_ids=eos, add_bos=add_bos, chat_template=hf.chat_template)
+
+    # -- encoding -------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_bos: bool) -> list[int]:
+        """Token ids of ``text``; special-token texts in it become their ids."""
+        ids: list[int] = self.hf.encode(text, add_special_tokens=False)
+        if add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` without special tokens."""
+        text: str = self.hf.decode(
+            list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its text)."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._piece(token_id)
+            self._pieces[token_id] = piece
+        return piece
+
+    def _piece(self, token_id: int) -> bytes:
+        if token_id in self._special_ids:
+            return str(self.hf.convert_ids_to_tokens(token_id) or "").encode("utf-8")
+        if self._byte_level:
+            text = self.hf.convert_ids_to_tokens(token_id)
+            if text is None:
+                return b""
+            decoder = _byte_decoder()
+            if all(ch in decoder for ch in text):
+                return bytes(decoder[ch] for ch in text)
+        # Other vocabularies: the token's own decoded text (a lone partial byte shows as U+FFFD).
+        return self.decode([token_id]).encode("utf-8")
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing token sequence that never end inside a UTF-8 character.
+
+    Decodes a short window of recent tokens and emits what it adds to the text of the window
+    without the newest tokens (how vLLM and TGI detokenize), so tokenizers whose decoding
+    depends on neighbours (SentencePiece spaces, byte fallback) come out right.
+    """
+
+    def __init__(self, tokenizer: MLXTokenizer, prompt_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        # A few prompt tokens give the first output token its left context (leading spaces).
+        self._ids: list[int] = list(prompt_ids[-4:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text that is now complete (possibly empty)."""
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """End of output: whatever is held (an unfinished character becomes U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) and not final:
+            return ""
+        if new_text.endswith("\ufffd") and not final:
+            return ""  # the last token ends inside a character: wait for its other bytes
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return delta
+
+
+def _is_byte_level(hf_tokenizer: Any) -> bool:
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except (ValueError, AttributeError):
+        return False
+    return decoder.get("type") == "ByteLevel"
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-character alphabet for bytes, reversed (char -> byte)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}

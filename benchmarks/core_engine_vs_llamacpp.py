@@ -1,0 +1,360 @@
+"""The core engine next to llama.cpp on the same GGUF, same thread count, in one run.
+
+Figures (each measured for both, interleaved so that machine noise hits both alike):
+
+* ``decode_1``     single-stream decode tok/s (128 tokens after a short prompt)
+* ``prefill_512``  prefill tok/s of one 512-token prompt
+* ``batch_16``, ``batch_64``  aggregate output tok/s, N concurrent requests x 128 tokens,
+  wall clock from submission to the last token (short distinct prompts, greedy)
+* ``ttft_prefix``  time to first token of a request whose 1,500-token prefix is cached,
+  against the same request cold (llama.cpp: the prefix kept in its KV cache, as its server's
+  prompt cache does)
+
+llama.cpp runs in-process through llama-cpp-python's low-level batch API
+(``benchmarks/llamacpp_batch.py``: one ``llama_decode`` per step over all sequences), which is
+stronger than its HTTP server. Each figure is also printed as a fraction of its roofline on
+this machine: decode is bounded by weight bytes / measured memory bandwidth, prefill by
+FLOPs / measured matmul FLOP/s in the engine's dtype, a batch of N by the larger of the two.
+
+    .venv/bin/python benchmarks/core_engine_vs_llamacpp.py            # the full run
+    .venv/bin/python benchmarks/core_engine_vs_llamacpp.py --quick    # reduced sizes
+
+Writes ``benchmarks/results/core_engine_vs_llamacpp-<UTC time>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from backends.default_model import default_model_path  # noqa: E402
+from core_engine.config import EngineConfig  # noqa: E402
+from core_engine.llm_engine import LLMEngine  # noqa: E402
+from core_engine.sampling_params import SamplingParams  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+TARGETS = {"batch_16": 1.5, "batch_64": 2.5, "prefill_512": 2.0, "decode_1": 0.5}
+TEXT = (
+    "The history of mountain huts begins with shepherds who needed shelter in summer pastures. "
+    "Later, alpine clubs built stone refuges along the main routes, each with a warden, a stove "
+    "and a logbook where climbers wrote the weather, their route and the time they left. "
+    "Today many huts have solar panels, radio links and menus with three courses; the logbook "
+    "remains, and so does the rule that nobody is turned away in a storm. "
+)
+
+
+# -- machine limits -----------------------------------------------------------------------
+
+
+def measure_bandwidth() -> float:
+    """Read bandwidth in bytes/s (sum over a 512 MiB fp32 buffer; best of 5)."""
+    x = torch.ones(128 * 2**20)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def measure_matmul_flops(dtype: torch.dtype) -> float:
+    """FLOP/s of a prefill-shaped linear (512 x 576 @ 576 x 3072) in ``dtype``; best of 10."""
+    x, w = torch.randn(512, 576, dtype=dtype), torch.randn(3072, 576, dtype=dtype)
+    torch.nn.functional.linear(x, w)
+    best = float("inf")
+    for _ in range(10):
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - t)
+    return 2 * 512 * 576 * 3072 / best
+
+
+def model_costs(engine: LLMEngine) -> dict[str, float]:
+    """Weight bytes read per decode step and matmul FLOPs per token."""
+    model = engine.model_runner.model
+    cfg = engine.model_config
+    matmul_params = 0
+    weight_bytes = 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens" and not cfg.tie_word_embeddings:
+            continue  # only looked up row by row
+        weight_bytes += p.numel() * p.element_size()
+        if p.dim() == 2:
+            matmul_params += p.numel()
+    return {"weight_bytes": float(weight_bytes), "flops_per_token": 2.0 * matmul_params}
+
+
+# -- the core engine ----------------------------------------------------------------------
+
+
+def engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float | None]:
+    """Run ``prompts`` to completion; (wall seconds, seconds to the first token of request 0)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    first: float | None = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.req_id == "b0" and out.new_token_ids:
+                first = time.perf_counter() - started
+    return time.perf_counter() - started, first
+
+
+def engine_decode_1(engine: LLMEngine, prompt: list[int], n: int) -> float:
+    engine.add_request("d", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    engine.step()  # prefill + first token
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (n - 1) / (time.perf_counter() - started)
+
+
+# -- runs ---------------------------------------------------------------------------------
+
+
+def best_of(repeats: int, fn: Callable[[], float], *, higher_is_better: bool = True) -> float:
+    values = [fn() for _ in range(repeats)]
+    return max(values) if higher_is_better else min(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="GGUF (default: SmolLM2-135M Q4_1)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--prefix-len", type=int, default=1500)
+    parser.add_argument("--repeats", type=int, default=2, help="best of N for the short figures")
+    parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="reduced sizes: a proof run")
+    parser.add_argument("--note", default="", help="free text stored in the JSON (machine state)")
+    args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.output_len, args.prefix_len, args.repeats = [16, 64], 32, 1500, 1
+
+    torch.set_num_threads(args.threads)
+    model_path = args.model or default_model_path()
+    max_len = max(args.prefix_len + 64, args.prefill_len + 8, 64 + args.output_len)
+    print(f"model {model_path.name}, {args.threads} threads", flush=True)
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model_path=str(model_path), dtype=args.dtype, num_threads=args.threads,
+            max_num_batched_tokens=max(512, args.prefill_len), max_num_seqs=max(args.concurrency),
+            kv_cache_memory_bytes=1 << 30,
+        )
+    )
+    dtype = engine.model_runner.kv_cache.storage.dtype
+    tok = engine.tokenizer
+    corpus = tok.encode(TEXT * 60, add_special=False)
+    llama = None
+    if not args.no_llamacpp:
+        from llamacpp_batch import LlamaCppBatch
+
+        llama = LlamaCppBatch(
+            model_path, threads=args.threads, max_seqs=max(args.concurrency),
+            n_ctx=max(max(args.concurrency) * (12 + args.output_len + 16), max_len + 32),
+        )
+
+    machine = {"bandwidth_Bps": measure_bandwidth(), "matmul_flops": measure_matmul_flops(dtype)}
+    costs = model_costs(engine)
+    gguf_bytes = float(model_path.stat().st_size)
+    print(f"bandwidth {machine['bandwidth_Bps'] / 1e9:.1f} GB/s, {dtype} matmul "
+          f"{machine['matmul_flops'] / 1e9:.0f} GFLOP/s, engine weights "
+          f"{costs['weight_bytes'] / 2**20:.0f} MiB, GGUF {gguf_bytes / 2**20:.0f} MiB", flush=True)
+
+    def roofline(batch: int, weight_bytes: float) -> float:
+        step = max(weight_bytes / machine["bandwidth_Bps"], batch * costs["flops_per_token"] / machine["matmul_flops"])
+        return batch / step
+
+    results: dict[str, dict[str, Any]] = {}
+    short = [corpus[i * 7 : i * 7 + 12] for i in range(max(args.concurrency))]
+
+    # Warm both up (first calls pay one-off allocations).
+    engine_run(engine, short[:4], 4)
+    if llama:
+        llama.generate(short[:4], 4)
+
+    print("single-stream decode...", flush=True)
+    n = args.output_len
+    results["decode_1"] = {
+        "unit": "tok/s",
+        "engine": best_of(args.repeats, lambda: engine_decode_1(engine, short[0], n)),
+        "llamacpp": best_of(args.repeats, lambda: (n - 1) / _llama_decode_time(llama, short[0], n)) if llama else None,
+        "engine_roofline": roofline(1, costs["weight_bytes"]),
+        "llamacpp_roofline": roofline(1, gguf_bytes),
+    }
+
+    print("prefill...", flush=True)
+    prompt = corpus[: args.prefill_len]
+
+    def engine_prefill() -> float:
+        engine.reset_prefix_cache()
+        return args.prefill_len / engine_run(engine, [prompt], 1)[0]
+
+    def llama_prefill() -> float:
+        assert llama is not None
+        llama.clear()
+        t = time.perf_counter()
+        llama.prefill([prompt])
+        return args.prefill_len / (time.perf_counter() - t)
+
+    results[f"prefill_{args.prefill_len}"] = {
+        "unit": "tok/s",
+        "engine": best_of(args.repeats, engine_prefill),
+        "llamacpp": best_of(args.repeats, llama_prefill) if llama else None,
+        "engine_roofline": machine["matmul_flops"] / costs["flops_per_token"],
+        "llamacpp_roofline": machine["matmul_flops"] / costs["flops_per_token"],
+    }
+
+    for conc in args.concurrency:
+        print(f"{conc} concurrent x {n} tokens...", flush=True)
+        prompts = short[:conc]
+        engine.reset_prefix_cache()
+        wall, _ = engine_run(engine, prompts, n)
+        llama_tps = None
+        if llama:
+            _, llama_wall = llama.generate(prompts, n)
+            llama_tps = conc * n / llama_wall
+        results[f"batch_{conc}"] = {
+            "unit": "tok/s",
+            "engine": conc * n / wall,
+            "llamacpp": llama_tps,
+            "engine_roofline": roofline(conc, costs["weight_bytes"]),
+            "llamacpp_roofline": roofline(conc, gguf_bytes),
+        }
+
+    print(f"TTFT with a {args.prefix_len}-token cached prefix...", flush=True)
+    prefix = corpus[: args.prefix_len]
+    cold_prompt = prefix + tok.encode(" Question: who keeps the logbook? Answer:", add_special=False)
+    warm_prompt = prefix + tok.encode(" Question: what is on the menu? Answer:", add_special=False)
+    engine.reset_prefix_cache()
+    cold = engine_run(engine, [cold_prompt], 1)[1]
+    warm = engine_run(engine, [warm_prompt], 1)[1]
+    ttft: dict[str, Any] = {"unit": "s", "engine_cold": cold, "engine_warm": warm, "engine": warm / cold}
+    if llama:
+        llama.clear()
+        t = time.perf_counter()
+        llama.prefill([cold_prompt])
+        ttft["llamacpp_cold"] = time.perf_counter() - t
+        llama.truncate(0, args.prefix_len)
+        t = time.perf_counter()
+        llama.prefill([warm_prompt], start=[args.prefix_len])
+        ttft["llamacpp_warm"] = time.perf_counter() - t
+        ttft["llamacpp"] = ttft["llamacpp_warm"] / ttft["llamacpp_cold"]
+    results["ttft_prefix"] = ttft
+    if llama:
+        llama.close()
+
+    report(args, results, machine, costs, gguf_bytes, str(dtype), model_path.name)
+
+
+def _llama_decode_time(llama: Any, prompt: list[int], n: int) -> float:
+    llama.clear()
+    token = llama.prefill([prompt])[0]
+    t = time.perf_counter()
+    pos = len(prompt)
+    for _ in range(n - 1):
+        llama._decode([(token, pos, 0, True)])
+        token = llama._argmax(0)
+        pos += 1
+    return time.perf_counter() - t
+
+
+def report(
+    args: argparse.Namespace, results: dict[str, dict[str, Any]], machine: dict[str, float],
+    costs: dict[str, float], gguf_bytes: float, dtype: str, model_name: str,
+) -> None:
+    print()
+    print(f"{'figure':<14}{'engine':>12}{'llama.cpp':>12}{'ratio':>8}{'target':>8}{'eng/roof':>10}{'lcpp/roof':>10}")
+    for name, r in results.items():
+        if name == "ttft_prefix":
+            continue
+        ratio = r["engine"] / r["llamacpp"] if r.get("llamacpp") else None
+        r["ratio"] = ratio
+        r["engine_fraction_of_roofline"] = r["engine"] / r["engine_roofline"]
+        r["llamacpp_fraction_of_roofline"] = r["llamacpp"] / r["llamacpp_roofline"] if r.get("llamacpp") else None
+        print(
+            f"{name:<14}{r['engine']:>12.1f}{_fmt(r.get('llamacpp'), '.1f'):>12}{_fmt(ratio, '.2f'):>8}"
+            f"{_fmt(TARGETS.get(name), '.1f'):>8}{r['engine_fraction_of_roofline']:>10.2f}"
+            f"{_fmt(r['llamacpp_fraction_of_roofline'], '.2f'):>10}"
+        )
+    t = results["ttft_prefix"]
+    print(
+        f"TTFT {args.prefix_len}-token prefix: engine cold {t['engine_cold'] * 1e3:.0f} ms, warm "
+        f"{t['engine_warm'] * 1e3:.0f} ms (warm/cold {t['engine']:.3f}, target <= 0.2)"
+        + (f"; llama.cpp cold {t['llamacpp_cold'] * 1e3:.0f} ms, warm {t['llamacpp_warm'] * 1e3:.0f} ms"
+           if "llamacpp_cold" in t else "")
+    )
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    base = RESULTS / f"core_engine_vs_llamacpp-{stamp}"
+    payload = {
+        "benchmark": "core_engine_vs_llamacpp",
+        "time_utc": stamp,
+        "model": model_name,
+        "engine_dtype": dtype,
+        "threads": args.threads,
+        "llamacpp_mode": "llama-cpp-python low-level batch API (llama_batch, one seq_id per request)",
+        "quick": args.quick,
+        "output_len": args.output_len,
+        "note": args.note,
+        "machine": {**machine, "cpu": platform.processor() or platform.machine()},
+        "costs": {**costs, "gguf_bytes": gguf_bytes},
+        "targets": TARGETS,
+        "results": results,
+    }
+    base.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+    _plot(results, base.with_suffix(".png"), args)
+    print(f"wrote {base}.json and .png")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _plot(results: dict[str, dict[str, Any]], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in results if n != "ttft_prefix"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    xs = range(len(names))
+    eng = [results[n]["engine"] for n in names]
+    lc = [results[n].get("llamacpp") or 0 for n in names]
+    ax1.bar([x - 0.2 for x in xs], eng, 0.4, label="core engine")
+    ax1.bar([x + 0.2 for x in xs], lc, 0.4, label="llama.cpp")
+    ax1.set_xticks(list(xs), names)
+    ax1.set_ylabel("tok/s")
+    ax1.set_title(f"throughput, {args.threads} threads")
+    ax1.legend()
+    ax2.bar([x - 0.2 for x in xs], [results[n]["engine_fraction_of_roofline"] for n in names], 0.4, label="core engine")
+    ax2.bar([x + 0.2 for x in xs], [results[n].get("llamacpp_fraction_of_roofline") or 0 for n in names], 0.4, label="llama.cpp")
+    ax2.set_xticks(list(xs), names)
+    ax2.set_ylabel("fraction of roofline")
+    t = results["ttft_prefix"]
+    ax2.set_title(f"roofline fraction; TTFT warm/cold = {t['engine']:.3f}")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

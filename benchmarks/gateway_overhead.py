@@ -1,0 +1,599 @@
+"""Gateway overhead: the latency infermux adds in front of a fast upstream, next to LiteLLM.
+
+A minimal OpenAI-shaped upstream (raw ASGI under uvicorn, answers from precomputed bytes)
+is called three ways with the same requests, interleaved so that noise hits all alike:
+
+* ``direct``   - the upstream itself,
+* ``infermux`` - through infermux (a ``kind = "openai"`` backend pointing at the upstream),
+* ``litellm``  - through LiteLLM's proxy (``litellm[proxy]`` in its own venv, ``.venv-litellm``;
+  created on first use with ``python3 -m venv`` + ``pip install``).
+
+Scenarios: sequential non-streaming, sequential streaming (``--chunks`` content chunks), and
+non-streaming at ``--concurrency`` in flight. "Added" latency is a gateway's percentile minus
+the direct percentile; the added time per streamed chunk is the added stream duration after
+the first byte divided by the chunks after the first. Target on the dev machine: added p50
+<= 1 ms, p99 <= 5 ms. Every process runs on this machine, so the figures include the CPU
+the gateways take from the client and the upstream (as a sidecar gateway would).
+
+    .venv/bin/python benchmarks/gateway_overhead.py                 # full run
+    .venv/bin/python benchmarks/gateway_overhead.py --quick         # a short proof run
+    .venv/bin/python benchmarks/gateway_overhead.py --no-litellm    # infermux only
+
+Writes ``benchmarks/results/gateway_overhead-<UTC time>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+LITELLM_VENV = ROOT / ".venv-litellm"
+UPSTREAM_MODEL = "upstream-model"
+ALIAS = "bench"
+TARGETS = ("direct", "infermux", "litellm")
+
+
+# -- the upstream (runs in its own process: --role upstream) ------------------------------
+
+
+def _upstream_app(chunks: int) -> Any:
+    """A raw ASGI app: every answer is precomputed, so the upstream costs almost nothing."""
+    words = [f" w{i}" for i in range(chunks)]
+    base = {"id": "chatcmpl-bench", "created": 0, "model": UPSTREAM_MODEL}
+    usage = {"prompt_tokens": 8, "completion_tokens": chunks, "total_tokens": 8 + chunks}
+    full = json.dumps(
+        base
+        | {
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(words)},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": usage,
+        }
+    ).encode()
+
+    def event(payload: dict[str, Any]) -> bytes:
+        return (
+            b"data: "
+            + json.dumps(base | {"object": "chat.completion.chunk"} | payload).encode()
+            + b"\n\n"
+        )
+
+    role = event(
+        {
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            ]
+        }
+    )
+    content = [
+        event({"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]})
+        for w in words
+    ]
+    tail = (
+        event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        + event({"choices": [], "usage": usage})
+        + b"data: [DONE]\n\n"
+    )
+    models = json.dumps(
+        {"object": "list", "data": [{"id": UPSTREAM_MODEL, "object": "model"}]}
+    ).encode()
+    json_headers = [(b"content-type", b"application/json")]
+    sse_headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        if scope["method"] == "GET":
+            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
+            await send({"type": "http.response.body", "body": models})
+            return
+        if b'"stream":true' not in body.replace(b" ", b""):
+            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
+            await send({"type": "http.response.body", "body": full})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
+        await send({"type": "http.response.body", "body": role, "more_body": True})
+        for piece in content:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": tail})
+
+    return app
+
+
+def _run_upstream(port: int, chunks: int) -> None:
+    import uvicorn
+
+    uvicorn.run(
+        _upstream_app(chunks), host="127.0.0.1", port=port, log_level="warning", access_log=False
+    )
+
+
+def _run_infermux(config_path: Path, port: int) -> None:
+    """What ``infermux serve --config`` does, kept here so the run does not depend on it."""
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import load_config
+
+    app = create_app(load_config(config_path))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+# -- processes ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float, what: str) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode} during start-up")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready at {url} after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def _process(
+    args: list[str], env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    process = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})})
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _ensure_litellm() -> Path:
+    """The LiteLLM proxy executable, installing ``litellm[proxy]`` into .venv-litellm if needed."""
+    executable = LITELLM_VENV / "bin" / "litellm"
+    if executable.exists():
+        return executable
+    print(f"installing litellm[proxy] into {LITELLM_VENV} (one time, a few minutes)...", flush=True)
+    subprocess.run(["python3", "-m", "venv", str(LITELLM_VENV)], check=True)
+    pip = LITELLM_VENV / "bin" / "pip"
+    subprocess.run([str(pip), "install", "-q", "litellm[proxy]"], check=True)
+    return executable
+
+
+def _litellm_version() -> str | None:
+    python = LITELLM_VENV / "bin" / "python"
+    with contextlib.suppress(Exception):
+        out = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+    return None
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+def _body(target: str, stream: bool, chunks: int) -> bytes:
+    model = UPSTREAM_MODEL if target == "direct" else ALIAS
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": chunks,
+            "stream": stream,
+        }
+    ).encode()
+
+
+def _sequential(
+    urls: dict[str, str], *, requests: int, stream: bool, chunks: int, label: str
+) -> dict[str, dict[str, list[float]]]:
+    """Latency (and for streams, first byte) per target; targets interleaved per request."""
+    import httpx
+    from tqdm import tqdm
+
+    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    clients = {t: httpx.Client(base_url=u, headers=headers, timeout=30.0) for t, u in urls.items()}
+    samples: dict[str, dict[str, list[float]]] = {t: {"total": [], "first": []} for t in urls}
+    bodies = {t: _body(t, stream, chunks) for t in urls}
+    names = list(urls)
+    try:
+        for i in tqdm(range(requests + 20), desc=label, unit="round", leave=False):
+            rotation = names[i % len(names) :] + names[: i % len(names)]
+            for target in rotation:
+                client = clients[target]
+                started = time.perf_counter()
+                first = None
+                with client.stream(
+                    "POST", "/v1/chat/completions", content=bodies[target]
+                ) as response:
+                    for _ in response.iter_raw():
+                        if first is None:
+                            first = time.perf_counter() - started
+                    if response.status_code != 200:
+                        raise RuntimeError(f"{target}: HTTP {response.status_code}")
+                total = time.perf_counter() - started
+                if i >= 20:  # the first rounds warm connections and caches
+                    samples[target]["total"].append(total)
+                    samples[target]["first"].append(first if first is not None else total)
+    finally:
+        for client in clients.values():
+            client.close()
+    return samples
+
+
+async def _concurrent_round(url: str, body: bytes, requests: int, concurrency: int) -> list[float]:
+    import httpx
+
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, limits=limits, timeout=60.0
+    ) as client:
+        queue = list(range(requests))
+
+        async def worker() -> None:
+            while queue:
+                queue.pop()
+                started = time.perf_counter()
+                response = await client.post("/v1/chat/completions", content=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+                latencies.append(time.perf_counter() - started)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies
+
+
+def _concurrent(
+    urls: dict[str, str], *, requests: int, concurrency: int, rounds: int, chunks: int
+) -> dict[str, dict[str, list[float]]]:
+    from tqdm import tqdm
+
+    samples: dict[str, dict[str, list[float]]] = {t: {"total": []} for t in urls}
+    names = list(urls)
+    per_round = max(concurrency, requests // rounds)
+    for r in tqdm(range(rounds + 1), desc=f"concurrent x{concurrency}", unit="round", leave=False):
+        for target in names[r % len(names) :] + names[: r % len(names)]:
+            latencies = asyncio.run(
+                _concurrent_round(
+                    urls[target], _body(target, False, chunks), per_round, concurrency
+                )
+            )
+            if r > 0:  # round 0 warms up
+                samples[target]["total"].extend(latencies)
+    return samples
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _summary(
+    samples: dict[str, dict[str, list[float]]], chunks: int | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"latency_ms": {}, "added_ms": {}}
+    for target, series in samples.items():
+        total = series["total"]
+        out["latency_ms"][target] = {
+            "p50": 1000 * _percentile(total, 50),
+            "p99": 1000 * _percentile(total, 99),
+            "mean": 1000 * statistics.fmean(total),
+            "n": len(total),
+        }
+    direct = out["latency_ms"]["direct"]
+    for target in samples:
+        if target == "direct":
+            continue
+        mine = out["latency_ms"][target]
+        added = {"p50": mine["p50"] - direct["p50"], "p99": mine["p99"] - direct["p99"]}
+        if chunks and samples[target].get("first"):
+            # Added time per chunk after the first byte: stream duration minus time to first byte.
+            def body_time(t: str) -> float:
+                return statistics.median(
+                    a - b for a, b in zip(samples[t]["total"], samples[t]["first"], strict=True)
+                )
+
+            added["per_chunk"] = (body_time(target) - body_time("direct")) / max(1, chunks - 1)
+            added["first_byte_p50"] = 1000 * (
+                statistics.median(samples[target]["first"])
+                - statistics.median(samples["direct"]["first"])
+            )
+            added["per_chunk"] *= 1000
+        out["added_ms"][target] = added
+    return out
+
+
+def _ratios(results: dict[str, Any]) -> dict[str, float | None]:
+    ratios: dict[str, float | None] = {}
+    for scenario, summary in results.items():
+        added = summary["added_ms"]
+        if "litellm" not in added:
+            continue
+        for key in ("p50", "p99", "per_chunk"):
+            if key in added["infermux"] and key in added["litellm"]:
+                theirs = added["litellm"][key]
+                ratios[f"{scenario}.{key}"] = (
+                    added["infermux"][key] / theirs if theirs > 0 else None
+                )
+    return ratios
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels: list[str] = []
+    series: dict[str, list[float]] = {"infermux": [], "litellm": []}
+    for scenario, summary in results.items():
+        for key in ("p50", "p99", "per_chunk"):
+            if key not in summary["added_ms"].get("infermux", {}):
+                continue
+            labels.append(f"{scenario}\n{key}")
+            for target in series:
+                series[target].append(summary["added_ms"].get(target, {}).get(key, float("nan")))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4))
+    width = 0.38
+    xs = range(len(labels))
+    ax.bar([x - width / 2 for x in xs], series["infermux"], width, label="infermux")
+    if any(v == v for v in series["litellm"]):  # not all NaN
+        ax.bar([x + width / 2 for x in xs], series["litellm"], width, label="LiteLLM proxy")
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("added latency vs direct (ms)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_title("Gateway overhead (lower is better)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_avg": os.getloadavg(),
+    }
+
+
+def _print_table(results: dict[str, Any], ratios: dict[str, float | None]) -> None:
+    print()
+    print(
+        f"{'scenario':<22}{'target':<10}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'+/chunk ms':>11}"
+    )
+    for scenario, summary in results.items():
+        for target, latency in summary["latency_ms"].items():
+            added = summary["added_ms"].get(target, {})
+            per_chunk = added.get("per_chunk")
+            print(
+                f"{scenario:<22}{target:<10}{latency['p50']:>9.3f}{latency['p99']:>9.3f}"
+                f"{added.get('p50', 0.0):>9.3f}{added.get('p99', 0.0):>9.3f}"
+                f"{per_chunk if per_chunk is not None else float('nan'):>11.4f}"
+            )
+    if ratios:
+        print("\ninfermux added latency as a fraction of LiteLLM's (lower is better):")
+        for key, value in ratios.items():
+            print(f"  {key:<28} {'n/a' if value is None else f'{value:.3f}'}")
+    seq = results.get("sequential", {}).get("added_ms", {}).get("infermux")
+    if seq:
+        ok = seq["p50"] <= 1.0 and seq["p99"] <= 5.0
+        print(
+            f"\ntarget (sequential, non-streaming): added p50 <= 1 ms, p99 <= 5 ms -> "
+            f"{'met' if ok else 'NOT met'} (p50 {seq['p50']:.3f} ms, p99 {seq['p99']:.3f} ms)"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=500, help="sequential requests per target")
+    parser.add_argument("--concurrent-requests", type=int, default=1024, help="per target")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--chunks", type=int, default=16, help="content chunks per answer")
+    parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
+    parser.add_argument("--quick", action="store_true", help="a short run that proves it works")
+    parser.add_argument("--role", choices=("upstream", "infermux"), help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.role == "upstream":
+        _run_upstream(args.port, args.chunks)
+        return 0
+    if args.role == "infermux":
+        _run_infermux(args.config, args.port)
+        return 0
+    if args.quick:
+        args.requests, args.concurrent_requests = (
+            min(args.requests, 100),
+            min(args.concurrent_requests, 256),
+        )
+
+    script = str(Path(__file__).resolve())
+    upstream_port, infermux_port, litellm_port = _free_port(), _free_port(), _free_port()
+    upstream_url = f"http://127.0.0.1:{upstream_port}"
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        config = Path(tmp) / "infermux.toml"
+        config.write_text(
+            '[[backends]]\nname = "upstream"\nkind = "openai"\n'
+            f'[backends.options]\nbase_url = "{upstream_url}/v1"\nmodel = "{UPSTREAM_MODEL}"\n\n'
+            f'[[models]]\nalias = "{ALIAS}"\nbackends = ["upstream"]\n'
+        )
+        print(f"upstream on :{upstream_port}, infermux on :{infermux_port}", flush=True)
+        upstream = stack.enter_context(
+            _process(
+                [
+                    sys.executable,
+                    script,
+                    "--role",
+                    "upstream",
+                    "--port",
+                    str(upstream_port),
+                    "--chunks",
+                    str(args.chunks),
+                ]
+            )
+        )
+        _wait_http(f"{upstream_url}/v1/models", upstream, 60, "upstream")
+        infermux = stack.enter_context(
+            _process(
+                [
+                    sys.executable,
+                    script,
+                    "--role",
+                    "infermux",
+                    "--port",
+                    str(infermux_port),
+                    "--config",
+                    str(config),
+                ],
+                env={"PYTHONPATH": str(ROOT)},
+            )
+        )
+        _wait_http(f"http://127.0.0.1:{infermux_port}/ready", infermux, 120, "infermux")
+        urls = {"direct": upstream_url, "infermux": f"http://127.0.0.1:{infermux_port}"}
+        if not args.no_litellm:
+            litellm = _ensure_litellm()
+            litellm_config = Path(tmp) / "litellm.yaml"
+            litellm_config.write_text(
+                "model_list:\n"
+                f"  - model_name: {ALIAS}\n"
+                "    litellm_params:\n"
+                f"      model: openai/{UPSTREAM_MODEL}\n"
+                f"      api_base: {upstream_url}/v1\n"
+                "      api_key: sk-none\n"
+                "litellm_settings:\n  drop_params: true\n  telemetry: false\n"
+            )
+            print(f"LiteLLM proxy on :{litellm_port} (start-up takes a while)...", flush=True)
+            proxy = stack.enter_context(
+                _process(
+                    [
+                        str(litellm),
+                        "--config",
+                        str(litellm_config),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(litellm_port),
+                    ],
+                    env={
+                        "LITELLM_LOG": "ERROR",
+                        "LITELLM_TELEMETRY": "False",
+                        "DISABLE_SCHEMA_UPDATE": "true",
+                    },
+                )
+            )
+            _wait_http(
+                f"http://127.0.0.1:{litellm_port}/health/liveliness", proxy, 300, "LiteLLM proxy"
+            )
+            urls["litellm"] = f"http://127.0.0.1:{litellm_port}"
+
+        results: dict[str, Any] = {}
+        results["sequential"] = _summary(
+            _sequential(
+                urls, requests=args.requests, stream=False, chunks=args.chunks, label="sequential"
+            )
+        )
+        results["sequential_stream"] = _summary(
+            _sequential(
+                urls, requests=args.requests, stream=True, chunks=args.chunks, label="streaming"
+            ),
+            chunks=args.chunks,
+        )
+        results[f"concurrent_{args.concurrency}"] = _summary(
+            _concurrent(
+                urls,
+                requests=args.concurrent_requests,
+                concurrency=args.concurrency,
+                rounds=4,
+                chunks=args.chunks,
+            )
+        )
+
+    ratios = _ratios(results)
+    _print_table(results, ratios)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {
+        "benchmark": "gateway_overhead",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": _machine(),
+        "settings": {
+            "requests": args.requests,
+            "concurrent_requests": args.concurrent_requests,
+            "concurrency": args.concurrency,
+            "chunks": args.chunks,
+            "litellm_version": None if args.no_litellm else _litellm_version(),
+        },
+        "results": results,
+        "ratios_infermux_to_litellm": ratios,
+    }
+    json_path = RESULTS / f"gateway_overhead-{stamp}.json"
+    json_path.write_text(json.dumps(record, indent=2))
+    png_path = json_path.with_suffix(".png")
+    _plot(results, png_path)
+    print(f"\nwrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

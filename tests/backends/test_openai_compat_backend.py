@@ -1,0 +1,246 @@
+"""The ``openai`` backend against a real OpenAI-shaped server on loopback.
+
+The upstream (tests/upstream_server.py) is told per test to answer, refuse, stall, rate
+limit, fail, or die mid-stream; each test checks what a gateway user would see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from upstream_server import Behaviour, UpstreamServer, closed_port_url
+
+from backends.base import (
+    BackendConfig,
+    ChatMessage,
+    GenerationChunk,
+    GenerationRequest,
+    SamplingParams,
+)
+from backends.errors import (
+    BackendError,
+    BackendUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    StreamIdleTimeoutError,
+    UpstreamRateLimitError,
+    UpstreamStatusError,
+    UpstreamTimeoutError,
+)
+from backends.openai_compat import OpenAICompatBackend, create_backend
+
+StartUpstream = Callable[..., UpstreamServer]
+
+
+def _backend(base_url: str, **config: Any) -> OpenAICompatBackend:
+    options = {"base_url": base_url, **config.pop("options", {})}
+    return create_backend(BackendConfig(name="remote", kind="openai", options=options, **config))
+
+
+def _chat(text: str = "hello from the test", **params: Any) -> GenerationRequest:
+    return GenerationRequest(
+        request_id="req-1",
+        model="alias",
+        kind="chat",
+        messages=(ChatMessage(role="user", content=text),),
+        params=SamplingParams(**params),
+        traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    )
+
+
+async def _collect(
+    backend: OpenAICompatBackend, request: GenerationRequest
+) -> list[GenerationChunk]:
+    try:
+        return [chunk async for chunk in backend.generate(request)]
+    finally:
+        await backend.aclose()
+
+
+async def test_streams_chunk_by_chunk_with_usage(upstream_servers: StartUpstream) -> None:
+    upstream = upstream_servers(Behaviour(cached_tokens=2))
+    backend = _backend(upstream.base_url, options={"model": "upstream-name"})
+    chunks = await _collect(backend, _chat(max_tokens=50))
+    assert [c.text for c in chunks[:-1]] == ["hello", " from", " the", " test"]
+    assert chunks[-1].finish_reason == "stop"
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage.cached_tokens == 2
+    sent = upstream.requests[-1]
+    assert sent.json["stream"] is True
+    assert sent.json["stream_options"] == {"include_usage": True}
+    assert sent.json["model"] == "upstream-name"
+    assert sent.json["max_tokens"] == 50
+    assert sent.headers["traceparent"] == _chat().traceparent
+
+
+async def test_logprobs_pass_through(upstream_servers: StartUpstream) -> None:
+    upstream = upstream_servers()
+    chunks = await _collect(
+        _backend(upstream.base_url), _chat("a b", logprobs=True, top_logprobs=1)
+    )
+    entries = [e for c in chunks if c.logprobs for e in c.logprobs]
+    assert [e.token for e in entries] == ["a", " b"]
+    assert all(e.top_logprobs[0].token == e.token for e in entries)
+    assert upstream.requests[-1].json["top_logprobs"] == 1
+
+
+async def test_completions_with_echo_and_legacy_logprobs(upstream_servers: StartUpstream) -> None:
+    upstream = upstream_servers(Behaviour(reply="out put"))
+    request = GenerationRequest(
+        request_id="r",
+        model="alias",
+        kind="completion",
+        prompt="in put",
+        params=SamplingParams(echo=True),
+    )
+    chunks = await _collect(_backend(upstream.base_url), request)
+    assert chunks[0].prompt_text == "in put"
+    assert "".join(c.text for c in chunks) == "out put"
+    assert "echo" not in upstream.requests[-1].json  # answered here, not by the upstream
+
+    with_logprobs = msgspec_replace(request, params=SamplingParams(logprobs=True, top_logprobs=1))
+    chunks = await _collect(_backend(upstream.base_url), with_logprobs)
+    entries = [e for c in chunks if c.logprobs for e in c.logprobs]
+    assert [(e.token, e.text_offset) for e in entries] == [("out", 0), (" put", 3)]
+
+
+async def test_api_key_comes_from_the_named_environment_variable(
+    upstream_servers: StartUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upstream = upstream_servers()
+    monkeypatch.setenv("UPSTREAM_KEY_FOR_TEST", "sk-test-123")
+    backend = _backend(upstream.base_url, options={"api_key_env": "UPSTREAM_KEY_FOR_TEST"})
+    await _collect(backend, _chat())
+    assert upstream.requests[-1].headers["authorization"] == "Bearer sk-test-123"
+
+    monkeypatch.delenv("UPSTREAM_KEY_FOR_TEST")
+    missing = _backend(upstream.base_url, options={"api_key_env": "UPSTREAM_KEY_FOR_TEST"})
+    with pytest.raises(BackendUnavailableError, match=r"options\.api_key_env"):
+        await missing.start()
+
+
+async def test_refused_connection_is_retryable_unavailable() -> None:
+    with pytest.raises(BackendUnavailableError) as caught:
+        await _collect(_backend(closed_port_url()), _chat())
+    assert caught.value.retryable
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "error_type", "retryable"),
+    [
+        (Behaviour(mode="status", status=500), UpstreamStatusError, True),
+        (Behaviour(mode="status", status=503), UpstreamStatusError, True),
+        (Behaviour(mode="close_without_response"), BackendUnavailableError, True),
+        (Behaviour(mode="status", status=401), BackendError, False),
+    ],
+    ids=["500", "503", "dropped", "401"],
+)
+async def test_upstream_failures_before_output(
+    upstream_servers: StartUpstream, behaviour: Behaviour, error_type: type, retryable: bool
+) -> None:
+    upstream = upstream_servers(behaviour)
+    with pytest.raises(error_type) as caught:
+        await _collect(_backend(upstream.base_url), _chat())
+    assert caught.value.retryable is retryable
+
+
+async def test_rate_limit_carries_retry_after(upstream_servers: StartUpstream) -> None:
+    upstream = upstream_servers(Behaviour(mode="status", status=429, retry_after="7"))
+    with pytest.raises(UpstreamRateLimitError) as caught:
+        await _collect(_backend(upstream.base_url), _chat())
+    assert caught.value.retry_after == 7.0
+    assert caught.value.status_code == 429
+
+
+async def test_client_errors_pass_the_upstream_message_through(
+    upstream_servers: StartUpstream,
+) -> None:
+    upstream = upstream_servers(
+        Behaviour(
+            mode="status",
+            status=400,
+            error_message="temperature too hot",
+            error_param="temperature",
+        )
+    )
+    with pytest.raises(InvalidRequestError) as caught:
+        await _collect(_backend(upstream.base_url), _chat())
+    assert (caught.value.message, caught.value.param) == ("temperature too hot", "temperature")
+    assert not caught.value.retryable
+
+    upstream.behaviour = Behaviour(mode="status", status=404, error_message="no such model")
+    with pytest.raises(NotFoundError) as not_found:
+        await _collect(_backend(upstream.base_url), _chat())
+    assert not_found.value.status_code == 404
+
+
+async def test_silence_before_headers_is_an_upstream_timeout(
+    upstream_servers: StartUpstream,
+) -> None:
+    upstream = upstream_servers(Behaviour(mode="stall_before_headers"))
+    with pytest.raises(UpstreamTimeoutError):
+        await _collect(_backend(upstream.base_url, first_byte_timeout=0.3), _chat())
+    upstream.wait_until(lambda: upstream.num_disconnects == 1)  # the request was abandoned
+
+
+async def test_silence_after_headers_is_an_upstream_timeout(
+    upstream_servers: StartUpstream,
+) -> None:
+    upstream = upstream_servers(Behaviour(mode="stall_before_first_chunk"))
+    with pytest.raises(UpstreamTimeoutError):
+        await _collect(_backend(upstream.base_url, first_byte_timeout=0.3), _chat())
+    upstream.wait_until(lambda: upstream.num_disconnects == 1)
+
+
+async def test_death_mid_stream_is_not_retryable(upstream_servers: StartUpstream) -> None:
+    upstream = upstream_servers(Behaviour(mode="die_mid_stream", after_chunks=2))
+    received: list[str] = []
+    backend = _backend(upstream.base_url)
+    with pytest.raises(BackendError) as caught:
+        async for chunk in backend.generate(_chat("one two three four")):
+            received.append(chunk.text)
+    await backend.aclose()
+    assert received == ["one", " two"]
+    assert not caught.value.retryable
+
+
+async def test_stall_mid_stream_hits_the_idle_timeout(upstream_servers: StartUpstream) -> None:
+    upstream = upstream_servers(Behaviour(mode="stall_mid_stream", after_chunks=1))
+    backend = _backend(upstream.base_url, idle_timeout=0.3)
+    with pytest.raises(StreamIdleTimeoutError):
+        await _collect(backend, _chat("one two three"))
+    upstream.wait_until(lambda: upstream.num_disconnects == 1)
+
+
+async def test_closing_the_iterator_closes_the_upstream_stream(
+    upstream_servers: StartUpstream,
+) -> None:
+    upstream = upstream_servers(Behaviour(mode="stall_mid_stream", after_chunks=1))
+    backend = _backend(upstream.base_url)
+    stream = backend.generate(_chat("one two three"))
+    assert (await anext(stream)).text == "one"
+    await stream.aclose()  # type: ignore[attr-defined]
+    upstream.wait_until(lambda: upstream.num_disconnects == 1)
+    await backend.aclose()
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"base_url": "ftp://host/v1"}, "base_url"),
+        ({"base_url": "http://h/v1", "headers": {"Authorization": "Bearer x"}}, "headers"),
+        ({"base_url": "http://h/v1", "api_key": "sk-x"}, "api_key"),
+    ],
+)
+def test_bad_options_name_the_key(options: dict[str, Any], key: str) -> None:
+    with pytest.raises(ValueError, match=rf"backends\.remote\.options\.{key}"):
+        create_backend(BackendConfig(name="remote", kind="openai", options=options))
+
+
+def msgspec_replace(request: GenerationRequest, **changes: Any) -> GenerationRequest:
+    import msgspec
+
+    return msgspec.structs.replace(request, **changes)
