@@ -26,11 +26,12 @@ import email.utils
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import msgspec
 
+from backends._http1_transport import Http1Transport
 from backends._openai_wire import ErrorBody, StreamChunk, chat_logprobs, completion_logprobs
 from backends._option import BackendOptionError, decode_options
 from backends._sse import SSEParser
@@ -61,6 +62,8 @@ from backends.errors import (
 __all__ = ["OpenAICompatBackend", "OpenAICompatOptions", "create_backend"]
 
 _MAX_ERROR_BODY = 64 * 1024
+# After ``[DONE]`` only the end of the chunked body should follow.
+_DRAIN_TIMEOUT_S = 1.0
 _FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "tool_calls", "content_filter"})
 _chunk_decoder = msgspec.json.Decoder(StreamChunk)
 _error_decoder = msgspec.json.Decoder(ErrorBody)
@@ -81,6 +84,10 @@ class OpenAICompatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     context_length: int | None = None
     max_connections: int = 256
     verify_tls: bool = True
+    #: ``native``: infermux's lean HTTP/1.1 transport for ``http://`` upstreams (about a
+    #: sixth of httpcore's CPU per streamed request); ``httpx``: httpx's default transport.
+    #: ``https://`` always uses httpx's default transport.
+    http_transport: Literal["native", "httpx"] = "native"
 
 
 class OpenAICompatBackend:
@@ -136,8 +143,15 @@ class OpenAICompatBackend:
             write=config.connect_timeout,
             pool=config.first_byte_timeout,
         )
+        transport = None
+        if self.options.http_transport == "native" and self._base_url.startswith("http://"):
+            transport = Http1Transport(max_connections=self.options.max_connections)
         self._client = httpx.AsyncClient(
-            headers=headers, timeout=timeout, limits=limits, verify=self.options.verify_tls
+            headers=headers,
+            timeout=timeout,
+            limits=limits,
+            verify=self.options.verify_tls,
+            transport=transport,
         )
 
     def model_info(self) -> ModelInfo:
@@ -295,6 +309,8 @@ class OpenAICompatBackend:
                     pending_prompt = None
             if data is None:
                 break
+        if done:
+            await _drain(stream)
         if finish_reason is None:
             raise self._broken_error(has_output, "the upstream closed the stream before finishing")
         if pending_prompt is not None:
@@ -464,6 +480,16 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - time.time())
+
+
+async def _drain(stream: AsyncIterator[bytes]) -> None:
+    """Read what follows ``[DONE]`` (the closing chunk) so the connection can be reused."""
+    try:
+        async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+            async for _ in stream:
+                pass
+    except (TimeoutError, httpx.HTTPError):
+        pass  # the connection is closed instead of pooled; nothing is lost
 
 
 def _earliest(*deadlines: float | None) -> float | None:

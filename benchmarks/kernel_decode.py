@@ -64,12 +64,9 @@ PEAK_GBPS = {
 }
 
 
-def time_us(
-    fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, iters: int = 20
-) -> float:
-    """Median wall time of one call, in µs (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
+def time_us(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    """Median wall time of one call after a warm-up call, in µs (CUDA events on a GPU)."""
+    fn()  # compiles the Triton kernel for these constexprs and warms the allocator
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -96,7 +93,7 @@ def _peak_gbps(device: torch.device) -> float | None:
 
 
 def bench_paged_attention(
-    device: torch.device, batches: list[int], context: int, dtype: torch.dtype
+    device: torch.device, batches: list[int], context: int, dtype: torch.dtype, iters: int
 ) -> list[dict]:
     """Paged decode at each batch size; contexts are ragged around ``context`` tokens."""
     from core_engine.kernels.paged_attention import paged_attention_decode
@@ -145,11 +142,13 @@ def bench_paged_attention(
                 "mean_context": float(lens.float().mean()),
             }
             row["torch_us"] = time_us(
-                lambda args=args: paged_attention_decode_reference(*args), device
+                lambda args=args: paged_attention_decode_reference(*args), device, iters
             )
-            row["sdpa_dense_us"] = time_us(sdpa, device)
+            row["sdpa_dense_us"] = time_us(sdpa, device, iters)
             if use_triton(device):
-                row["triton_us"] = time_us(lambda args=args: paged_attention_decode(*args), device)
+                row["triton_us"] = time_us(
+                    lambda args=args: paged_attention_decode(*args), device, iters
+                )
                 row["triton_gbps"] = kv_bytes / row["triton_us"] / 1e3
                 row["speedup_vs_torch"] = row["torch_us"] / row["triton_us"]
                 row["speedup_vs_sdpa"] = row["sdpa_dense_us"] / row["triton_us"]
@@ -160,7 +159,7 @@ def bench_paged_attention(
     return rows
 
 
-def bench_ops(device: torch.device, quick: bool, dtype: torch.dtype) -> list[dict]:
+def bench_ops(device: torch.device, quick: bool, dtype: torch.dtype, iters: int) -> list[dict]:
     """Each non-attention kernel at Llama-8B-like sizes (smaller with ``quick``)."""
     import core_engine.kernels as K
 
@@ -217,9 +216,9 @@ def bench_ops(device: torch.device, quick: bool, dtype: torch.dtype) -> list[dic
     ]
     rows = []
     for name, kernel, reference in cases:
-        row: dict[str, Any] = {"op": name, "torch_us": time_us(reference, device)}
+        row: dict[str, Any] = {"op": name, "torch_us": time_us(reference, device, iters)}
         if use_triton(device):
-            row["triton_us"] = time_us(kernel, device)
+            row["triton_us"] = time_us(kernel, device, iters)
             row["speedup_vs_torch"] = row["torch_us"] / row["triton_us"]
         rows.append(row)
     return rows
@@ -351,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-engine", action="store_true", help="skip the end-to-end engine section"
     )
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per figure (median)")
     parser.add_argument(
         "--json", type=Path, default=None, help="default: $OUT/kernel_decode.json if $OUT is set"
     )
@@ -361,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     batches = [1, 4] if args.quick else [1, 8, 32, 128]
     context = args.context or (128 if args.quick else 1024)
+    iters = max(1, args.iters)
 
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -377,11 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         f"kernel_decode on {report['device']} ({args.dtype}); Triton kernels: {report['triton_kernels']}"
     )
     t0 = time.perf_counter()
-    report["paged_attention"] = bench_paged_attention(device, batches, context, dtype)
+    report["paged_attention"] = bench_paged_attention(device, batches, context, dtype, iters)
     _print_table(
         f"paged attention decode, mean context {context}, block 16", report["paged_attention"]
     )
-    report["ops"] = bench_ops(device, args.quick, dtype)
+    report["ops"] = bench_ops(device, args.quick, dtype, iters)
     _print_table("other kernels", report["ops"])
     if not args.no_engine:
         report["engine"] = bench_engine(

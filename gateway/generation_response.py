@@ -99,7 +99,11 @@ async def respond(
         return run
 
     run = await _while_connected(request, collect())
-    body = msgspec.json.encode(output.body(run))
+    try:
+        body = msgspec.json.encode(output.body(run))
+    except BaseException:
+        await run.aclose()
+        raise
     return Response(
         content=body,
         media_type="application/json",
@@ -113,7 +117,9 @@ async def _sse(
     run: ChoiceRun, output: OutputBuilder, request_id: str
 ) -> AsyncGenerator[bytes, None]:
     try:
-        yield output.start_frames()
+        start = output.start_frames()
+        if start:
+            yield start
         async for position, chunk in run.events():
             frames = output.chunk_frames(position, chunk)
             if frames:

@@ -6,7 +6,7 @@ retrying client) must not be able to make ids collide.
 
 from __future__ import annotations
 
-import uuid
+import os
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -23,5 +23,5 @@ def request_id_of(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
     scope: Any = connection.scope
     request_id = scope.get(_SCOPE_KEY)
     if request_id is None:
-        request_id = scope[_SCOPE_KEY] = uuid.uuid4().hex
+        request_id = scope[_SCOPE_KEY] = os.urandom(16).hex()
     return request_id

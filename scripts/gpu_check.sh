@@ -28,6 +28,7 @@ DRY_RUN=0
 # The repo is importable without an install; the tests put tensors on the GPU, and Triton
 # must compile for it rather than interpret.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1  # progress shows through tee
 unset TRITON_INTERPRET INFERMUX_KERNELS
 export INFERMUX_TEST_DEVICE=cuda
 BENCH_ARGS=(--device cuda)

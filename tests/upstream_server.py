@@ -15,7 +15,8 @@ Reuse it from any test (``tests/`` is on ``sys.path`` through ``tests/conftest.p
         upstream.base_url                       # "http://127.0.0.1:PORT/v1"
         upstream.script(Behaviour(mode="die_mid_stream", after_chunks=2))  # next request only
         upstream.requests[-1].json              # what reached it
-        upstream.wait_until(lambda: upstream.num_disconnects == 1)
+        upstream.wait_until(lambda: upstream.num_disconnects == 1)   # sync tests
+        await upstream.until(lambda: upstream.num_disconnects == 1)  # async tests
 
 or through the ``upstream_servers`` fixture (a factory that stops every server it started):
 import it into a conftest (``from upstream_server import upstream_servers  # noqa: F401``).
@@ -146,6 +147,14 @@ class UpstreamServer:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.name}: condition not reached in {timeout_s} s")
             time.sleep(0.01)
+
+    async def until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        """:meth:`wait_until` for async tests: polls without blocking the event loop."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: condition not reached in {timeout_s} s")
+            await asyncio.sleep(0.01)
 
     def start(self) -> UpstreamServer:
         ready = threading.Event()

@@ -20,7 +20,13 @@ from backends.errors import BackendUnavailableError
 if TYPE_CHECKING:
     from backends.mlx.backend import MLXBackend
 
-__all__ = ["INSTALL_HINT", "create_backend", "default_backend_config", "is_available", "is_installed"]
+__all__ = [
+    "INSTALL_HINT",
+    "create_backend",
+    "default_backend_config",
+    "is_available",
+    "is_installed",
+]
 
 INSTALL_HINT = 'pip install "infermux[mlx]"'
 

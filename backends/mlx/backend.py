@@ -169,7 +169,6 @@ class MLXBackend:
         import mlx.core as mx
 
         from backends.mlx.runner import MLXRunner
-        from backends.mlx.tokenizer import MLXTokenizer
 
         dtype_name = self.options.dtype
         if dtype_name is None:
@@ -178,10 +177,11 @@ class MLXBackend:
         try:
             if path.is_file():
                 from backends.mlx.gguf_loader import load_gguf_model
+                from backends.mlx.tokenizer import load_gguf_tokenizer
 
                 loaded = load_gguf_model(path, dtype=dtype)
                 model, context_length = loaded.model, loaded.context_length
-                tokenizer = MLXTokenizer.from_gguf(path, loaded.metadata)
+                tokenizer = load_gguf_tokenizer(path, loaded.metadata)
             else:
                 model, tokenizer, context_length = _load_directory(path, dtype)
         except InfermuxError:
@@ -279,8 +279,7 @@ class MLXBackend:
             )
         if params.top_logprobs > _MAX_TOP_LOGPROBS:
             raise UnsupportedParameterError(
-                f"top_logprobs above {_MAX_TOP_LOGPROBS} is not supported by backend "
-                f"{self.name!r}",
+                f"top_logprobs above {_MAX_TOP_LOGPROBS} is not supported by backend {self.name!r}",
                 param="top_logprobs",
             )
         response_format = request.response_format
@@ -314,7 +313,7 @@ def _load_directory(path: Path, dtype: Any) -> tuple[Any, Any, int | None]:
     from mlx.utils import tree_map
     from mlx_lm.utils import load
 
-    from backends.mlx.tokenizer import MLXTokenizer
+    from backends.mlx.tokenizer import HFTokenizer
 
     model, wrapper, config = load(str(path), return_config=True)
     # Float parameters in the requested type; quantized weights stay packed.
@@ -326,4 +325,4 @@ def _load_directory(path: Path, dtype: Any) -> tuple[Any, Any, int | None]:
     )
     mx.eval(model.parameters())
     context_length = config.get("max_position_embeddings")
-    return model, MLXTokenizer.from_mlx_lm(wrapper), context_length
+    return model, HFTokenizer.from_mlx_lm(wrapper), context_length

@@ -74,7 +74,9 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], bool]:
         tensors, raw_metadata = mx.load(str(path), return_metadata=True)
     except RuntimeError as exc:
         # MLX refuses the whole file when one tensor has a type it cannot read.
-        logger.warning("MLX cannot read every tensor of %s (%s): dequantizing with gguf-py", path, exc)
+        logger.warning(
+            "MLX cannot read every tensor of %s (%s): dequantizing with gguf-py", path, exc
+        )
         tensors, metadata = _read_with_gguf_py(path)
         return tensors, metadata, True
     return tensors, {key: _python_value(value) for key, value in raw_metadata.items()}, False

@@ -38,7 +38,7 @@ from backends.errors import (
     UpstreamTimeoutError,
 )
 from backends.mlx import sampling
-from backends.mlx.tokenizer import IncrementalDecoder, MLXTokenizer
+from backends.mlx.tokenizer import MLXTokenizer
 from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
 
 __all__ = ["MLXRunner"]
@@ -251,7 +251,7 @@ class MLXRunner:
     ) -> None:
         params = request.params
         want_logprobs = params.logprobs or params.top_logprobs > 0
-        decoder = IncrementalDecoder(self.tokenizer, fed[:num_prompt])
+        decoder = self.tokenizer.text_stream(fed[:num_prompt])
         stop_buffer: StopBuffer[_Token] = StopBuffer(params.stop)
         stop_ids = set(params.stop_token_ids)
         eos_ids = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
@@ -299,8 +299,15 @@ class MLXRunner:
                 held.extend(tail.payloads)
         emit(
             _last_chunk(
-                text, held, want_logprobs, finish_reason, num_prompt, num_generated,
-                num_cached, prefill_s, time.monotonic() - started - (prefill_s or 0.0),
+                text,
+                held,
+                want_logprobs,
+                finish_reason,
+                num_prompt,
+                num_generated,
+                num_cached,
+                prefill_s,
+                time.monotonic() - started - (prefill_s or 0.0),
             )  # fmt: skip
         )
 

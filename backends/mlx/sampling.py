@@ -55,9 +55,7 @@ def logits_processors(
 
         processors.append(ban)
     if params.repetition_penalty != 1.0:
-        processors.append(
-            _RepetitionPenalty(params.repetition_penalty, prompt_ids, num_fed_prompt)
-        )
+        processors.append(_RepetitionPenalty(params.repetition_penalty, prompt_ids, num_fed_prompt))
     if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
         processors.append(
             _OutputPenalty(
@@ -84,9 +82,7 @@ class _RepetitionPenalty:
             return logits
         ids = mx.array(sorted(self._seen))
         selected = logits[:, ids]  # (1, num_seen)
-        logits[:, ids] = mx.where(
-            selected < 0, selected * self._penalty, selected / self._penalty
-        )
+        logits[:, ids] = mx.where(selected < 0, selected * self._penalty, selected / self._penalty)
         return logits
 
 

@@ -1,22 +1,35 @@
-"""The MLX backend's tokenizer: a Hugging Face tokenizer, built from GGUF metadata or a directory.
+"""The MLX backend's tokenizers, built from GGUF metadata or a model directory.
 
-For a GGUF file, ``transformers`` converts the file's own vocabulary, merges and special
-tokens into a fast tokenizer (offline: only the local file is read). For an MLX/Hugging Face
-directory, mlx-lm's loader provides it. Either way the backend needs only what this wrapper
-offers: encoding with special tokens recognised (as llama.cpp does with ``special=True``),
-streaming decoding that never splits a UTF-8 character, each token's bytes for logprobs, and
-the end-of-generation ids.
+For a GGUF file with a byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``, as
+SmolLM2, Llama 3 and Qwen use) the core engine's llama.cpp-compatible tokenizer is built from
+the metadata in a fraction of a second. Other GGUF vocabularies (SentencePiece) go through
+``transformers``, which converts the file's vocabulary into a fast tokenizer offline. For an
+MLX/Hugging Face directory, mlx-lm's loader provides the Hugging Face tokenizer.
+
+The backend needs only what :class:`MLXTokenizer` offers: encoding with special-token texts
+recognised (as llama.cpp does with ``special=True``), streaming decoding that never splits a
+UTF-8 character, each token's bytes for logprobs, and the end-of-generation ids.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["IncrementalDecoder", "MLXTokenizer"]
+__all__ = [
+    "GGUFBPETokenizer",
+    "HFTokenizer",
+    "IncrementalDecoder",
+    "MLXTokenizer",
+    "TextStream",
+    "load_gguf_tokenizer",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Texts of control tokens that end a turn in common chat formats (llama.cpp treats them as
 #: end-of-generation too, whatever the file's ``eos_token_id`` says).
@@ -34,8 +47,50 @@ _END_OF_TURN_TEXTS = frozenset(
 )
 
 
+class TextStream(Protocol):
+    """Text deltas of a growing output (see :meth:`MLXTokenizer.text_stream`)."""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text that is now complete (possibly empty)."""
+        ...
+
+    def flush(self) -> str:
+        """End of output: whatever is held (an unfinished character becomes U+FFFD)."""
+        ...
+
+
 class MLXTokenizer:
-    """Encoding, decoding and special tokens of one model (wraps a HF fast tokenizer)."""
+    """Encoding, decoding and special tokens of one model (the interface the runner uses)."""
+
+    #: Ids that end the output unless the request sets ``ignore_eos``.
+    eos_token_ids: frozenset[int]
+    #: Whether prompts start with BOS (unless the chat template writes it).
+    add_bos: bool
+    bos_token_id: int | None
+    bos_text: str
+    eos_text: str
+    #: The model's Jinja chat template, or None.
+    chat_template: str | None
+
+    def encode(self, text: str, *, add_bos: bool) -> list[int]:
+        """Token ids of ``text``; special-token texts in it become their ids."""
+        raise NotImplementedError
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` without special tokens."""
+        raise NotImplementedError
+
+    def text_stream(self, prompt_ids: Sequence[int]) -> TextStream:
+        """A streaming decoder for output that follows ``prompt_ids``."""
+        raise NotImplementedError
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its text)."""
+        raise NotImplementedError
+
+
+class HFTokenizer(MLXTokenizer):
+    """A Hugging Face fast tokenizer."""
 
     def __init__(
         self,
@@ -52,52 +107,14 @@ class MLXTokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.bos_text: str = hf_tokenizer.bos_token or ""
         self.eos_text: str = hf_tokenizer.eos_token or ""
-        self.vocab_size: int = len(hf_tokenizer)
         self._special_ids = frozenset(hf_tokenizer.all_special_ids) | frozenset(
             hf_tokenizer.added_tokens_decoder
         )
         self._byte_level = _is_byte_level(hf_tokenizer)
         self._pieces: dict[int, bytes] = {}
 
-    # -- construction ---------------------------------------------------------------------
-
     @classmethod
-    def from_gguf(cls, path: Path, metadata: Mapping[str, Any]) -> MLXTokenizer:
-        """The tokenizer stored in a GGUF file's metadata (``tokenizer.ggml.*``)."""
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
-        tokens: Sequence[str] = metadata.get("tokenizer.ggml.tokens") or []
-        types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or []
-        eos = {
-            int(metadata[key])
-            for key in (
-                "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.eom_token_id",
-            )
-            if metadata.get(key) is not None
-        }
-        control = 3  # GGUF token type CONTROL
-        eos |= {
-            i
-            for i, text in enumerate(tokens)
-            if text in _END_OF_TURN_TEXTS and i < len(types) and types[i] == control
-        }
-        add_bos = metadata.get("tokenizer.ggml.add_bos_token")
-        if add_bos is None:  # llama.cpp's default: SentencePiece vocabularies add BOS
-            add_bos = metadata.get("tokenizer.ggml.model") == "llama"
-        return cls(
-            hf,
-            eos_token_ids=eos,
-            add_bos=bool(add_bos),
-            chat_template=metadata.get("tokenizer.chat_template"),
-        )
-
-    @classmethod
-    def from_mlx_lm(cls, wrapper: Any) -> MLXTokenizer:
+    def from_mlx_lm(cls, wrapper: Any) -> HFTokenizer:
         """Wrap the ``TokenizerWrapper`` that ``mlx_lm.load`` returns for a directory."""
         hf = wrapper._tokenizer
         probe = hf.encode("a", add_special_tokens=True)
@@ -107,29 +124,22 @@ class MLXTokenizer:
             eos.add(hf.eos_token_id)
         return cls(hf, eos_token_ids=eos, add_bos=add_bos, chat_template=hf.chat_template)
 
-    # -- encoding -------------------------------------------------------------------------
-
     def encode(self, text: str, *, add_bos: bool) -> list[int]:
-        """Token ids of ``text``; special-token texts in it become their ids."""
         ids: list[int] = self.hf.encode(text, add_special_tokens=False)
         if add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_ids
-
-    # -- decoding -------------------------------------------------------------------------
-
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids`` without special tokens."""
         text: str = self.hf.decode(
             list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
         return text
 
+    def text_stream(self, prompt_ids: Sequence[int]) -> TextStream:
+        return IncrementalDecoder(self, prompt_ids)
+
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (a special token: its text)."""
         piece = self._pieces.get(token_id)
         if piece is None:
             piece = self._piece(token_id)
@@ -150,6 +160,89 @@ class MLXTokenizer:
         return self.decode([token_id]).encode("utf-8")
 
 
+class GGUFBPETokenizer(MLXTokenizer):
+    """The core engine's byte-level BPE tokenizer (llama.cpp's tokenization) from GGUF metadata."""
+
+    def __init__(self, core: Any, *, eos_token_ids: Iterable[int]) -> None:
+        self.core = core
+        self.eos_token_ids = frozenset(eos_token_ids) | core.stop_token_ids
+        self.add_bos = bool(core.add_bos)
+        self.chat_template = core.chat_template if isinstance(core.chat_template, str) else None
+        self.bos_token_id = core.bos_token_id
+        self.bos_text = self._special_text(core.bos_token_id)
+        self.eos_text = self._special_text(core.eos_token_id)
+
+    def _special_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self.core.token_to_bytes(token_id, skip_special=False).decode("utf-8", "replace")
+
+    def encode(self, text: str, *, add_bos: bool) -> list[int]:
+        ids: list[int] = self.core.encode(text, add_special=False, parse_special=True)
+        if add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        text: str = self.core.decode(token_ids, skip_special=True)
+        return text
+
+    def text_stream(self, prompt_ids: Sequence[int]) -> TextStream:
+        from core_engine.tokenizer import IncrementalDetokenizer
+
+        stream: TextStream = IncrementalDetokenizer(self.core, skip_special=True)
+        return stream
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece: bytes = self.core.token_to_bytes(token_id, skip_special=False)
+        return piece
+
+
+def load_gguf_tokenizer(path: Path, metadata: Mapping[str, Any]) -> MLXTokenizer:
+    """The tokenizer stored in a GGUF file's metadata (``tokenizer.ggml.*``)."""
+    eos = _gguf_end_of_generation_ids(metadata)
+    if metadata.get("tokenizer.ggml.model") == "gpt2":
+        from core_engine.tokenizer import Tokenizer, TokenizerError, UnsupportedPreTokenizerError
+
+        try:
+            return GGUFBPETokenizer(Tokenizer.from_gguf_metadata(metadata), eos_token_ids=eos)
+        except (TokenizerError, UnsupportedPreTokenizerError) as exc:
+            logger.info("%s: the core tokenizer cannot build this vocabulary (%s)", path.name, exc)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:  # llama.cpp's default: SentencePiece vocabularies add BOS
+        add_bos = metadata.get("tokenizer.ggml.model") == "llama"
+    return HFTokenizer(
+        hf,
+        eos_token_ids=eos,
+        add_bos=bool(add_bos),
+        chat_template=metadata.get("tokenizer.chat_template"),
+    )
+
+
+def _gguf_end_of_generation_ids(metadata: Mapping[str, Any]) -> set[int]:
+    tokens: Sequence[str] = metadata.get("tokenizer.ggml.tokens") or []
+    types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or []
+    eos = {
+        int(metadata[key])
+        for key in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        )
+        if metadata.get(key) is not None
+    }
+    control = 3  # GGUF token type CONTROL
+    eos |= {
+        i
+        for i, text in enumerate(tokens)
+        if text in _END_OF_TURN_TEXTS and i < len(types) and types[i] == control
+    }
+    return eos
+
+
 class IncrementalDecoder:
     """Text deltas of a growing token sequence that never end inside a UTF-8 character.
 
@@ -158,7 +251,7 @@ class IncrementalDecoder:
     depends on neighbours (SentencePiece spaces, byte fallback) come out right.
     """
 
-    def __init__(self, tokenizer: MLXTokenizer, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: HFTokenizer, prompt_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
         # A few prompt tokens give the first output token its left context (leading spaces).
         self._ids: list[int] = list(prompt_ids[-4:])

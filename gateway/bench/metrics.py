@@ -12,7 +12,8 @@
   none does.
 - Cost: prices in currency per 1M tokens; cached prompt tokens at the ``cached`` price (the
   ``input`` price when not given), the other prompt tokens at ``input``, output at ``output``.
-  Requests without usage count the workload's estimate of their prompt.
+  Requests without usage count an estimate of their prompt: the workload's ``input_len`` plus
+  the template overhead measured by calibration (when there was one).
 """
 
 from __future__ import annotations
@@ -188,8 +189,14 @@ class RunSummary(msgspec.Struct, kw_only=True, frozen=True):
     errors: dict[str, int]  # error message (first 120 chars) -> count
 
 
-def _request_cost(record: RequestRecord, prices: Prices) -> float:
-    prompt = record.prompt_tokens if record.prompt_tokens is not None else record.input_len
+def _prompt_tokens(record: RequestRecord, overhead: float | None) -> int:
+    if record.prompt_tokens is not None:
+        return record.prompt_tokens
+    return record.input_len + round(overhead or 0)
+
+
+def _request_cost(record: RequestRecord, prices: Prices, overhead: float | None) -> float:
+    prompt = _prompt_tokens(record, overhead)
     cached = min(record.cached_tokens or 0, prompt)
     cached_price = prices.cached if prices.cached is not None else prices.input
     output = record.output_tokens or 0
@@ -197,12 +204,18 @@ def _request_cost(record: RequestRecord, prices: Prices) -> float:
 
 
 def summarise(
-    records: list[RequestRecord], *, duration_s: float, slo: Slo, prices: Prices | None
+    records: list[RequestRecord],
+    *,
+    duration_s: float,
+    slo: Slo,
+    prices: Prices | None,
+    prompt_overhead_tokens: float | None = None,
 ) -> RunSummary:
-    """Reduce one run's records to its figures."""
+    """Reduce one run's records to its figures; ``prompt_overhead_tokens`` (the chat
+    template's tokens, from calibration) completes prompt estimates where usage is missing."""
     done = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
-    prompt_tokens = [r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in done]
+    prompt_tokens = [_prompt_tokens(r, prompt_overhead_tokens) for r in done]
     output_tokens = [r.output_tokens or 0 for r in done]
     duration = max(duration_s, 1e-9)
     errors: dict[str, int] = {}
@@ -211,7 +224,11 @@ def summarise(
         errors[key] = errors.get(key, 0) + 1
     num_good = sum(1 for r in done if slo.is_met_by(r))
     with_cache = [r for r in done if r.cached_tokens is not None and r.prompt_tokens]
-    cost = sum(_request_cost(r, prices) for r in done) if prices is not None else None
+    cost = (
+        sum(_request_cost(r, prices, prompt_overhead_tokens) for r in done)
+        if prices is not None
+        else None
+    )
     return RunSummary(
         num_requests=len(records),
         num_completed=len(done),

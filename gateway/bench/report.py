@@ -60,6 +60,7 @@ def _rows(result: BenchResult) -> list[_Row]:
         ("request throughput (req/s)", lambda s: s.request_throughput, _number),
         ("output throughput (tok/s)", lambda s: s.output_throughput, _number),
         ("total token throughput (tok/s)", lambda s: s.total_token_throughput, _number),
+        # Estimated (workload length + template overhead) for streams without usage.
         ("mean prompt tokens", lambda s: s.mean_prompt_tokens, lambda v: _number(v, 1)),
         ("mean output tokens", lambda s: s.mean_output_tokens, lambda v: _number(v, 1)),
     ]

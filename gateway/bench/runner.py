@@ -175,7 +175,7 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
                         queued_ms=0.0,
                     ),
                 )
-        runs = await _run_rates(config, clients, prompts)
+        runs = await _run_rates(config, clients, prompts, calibration)
     finally:
         for client in clients.values():
             await client.aclose()
@@ -183,7 +183,10 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
 
 
 async def _run_rates(
-    config: BenchConfig, clients: dict[str, BenchClient], prompts: list[BenchPrompt]
+    config: BenchConfig,
+    clients: dict[str, BenchClient],
+    prompts: list[BenchPrompt],
+    calibration: Calibration,
 ) -> list[RunResult]:
     labels = list(clients)
     total = len(config.request_rates) * len(labels) * len(prompts)
@@ -233,6 +236,7 @@ async def _run_rates(
                             duration_s=busy_s[label],
                             slo=config.slo,
                             prices=config.prices,
+                            prompt_overhead_tokens=calibration.overhead_tokens,
                         ),
                         records=target_records,
                     )

@@ -183,7 +183,7 @@ async def test_silence_before_headers_is_an_upstream_timeout(
     upstream = upstream_servers(Behaviour(mode="stall_before_headers"))
     with pytest.raises(UpstreamTimeoutError):
         await _collect(_backend(upstream.base_url, first_byte_timeout=0.3), _chat())
-    upstream.wait_until(lambda: upstream.num_disconnects == 1)  # the request was abandoned
+    await upstream.until(lambda: upstream.num_disconnects == 1)  # the request was abandoned
 
 
 async def test_silence_after_headers_is_an_upstream_timeout(
@@ -192,7 +192,7 @@ async def test_silence_after_headers_is_an_upstream_timeout(
     upstream = upstream_servers(Behaviour(mode="stall_before_first_chunk"))
     with pytest.raises(UpstreamTimeoutError):
         await _collect(_backend(upstream.base_url, first_byte_timeout=0.3), _chat())
-    upstream.wait_until(lambda: upstream.num_disconnects == 1)
+    await upstream.until(lambda: upstream.num_disconnects == 1)
 
 
 async def test_death_mid_stream_is_not_retryable(upstream_servers: StartUpstream) -> None:
@@ -212,7 +212,7 @@ async def test_stall_mid_stream_hits_the_idle_timeout(upstream_servers: StartUps
     backend = _backend(upstream.base_url, idle_timeout=0.3)
     with pytest.raises(StreamIdleTimeoutError):
         await _collect(backend, _chat("one two three"))
-    upstream.wait_until(lambda: upstream.num_disconnects == 1)
+    await upstream.until(lambda: upstream.num_disconnects == 1)
 
 
 async def test_closing_the_iterator_closes_the_upstream_stream(
@@ -223,7 +223,7 @@ async def test_closing_the_iterator_closes_the_upstream_stream(
     stream = backend.generate(_chat("one two three"))
     assert (await anext(stream)).text == "one"
     await stream.aclose()  # type: ignore[attr-defined]
-    upstream.wait_until(lambda: upstream.num_disconnects == 1)
+    await upstream.until(lambda: upstream.num_disconnects == 1)
     await backend.aclose()
 
 

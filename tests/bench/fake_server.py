@@ -179,3 +179,18 @@ def bench_config(url: str, **overrides: object) -> BenchConfig:
     }
     settings.update(overrides)
     return BenchConfig(**settings)  # type: ignore[arg-type]
+
+
+def assert_latency(
+    measured_ms: float | None,
+    injected_ms: float,
+    *,
+    below_ms: float = 10.0,
+    above_ms: float = 100.0,
+) -> None:
+    """``measured_ms`` matches a server's injected delay: a loaded machine only adds time, so
+    the window is tight below (timer and scheduling jitter) and generous above."""
+    assert measured_ms is not None
+    assert injected_ms - below_ms <= measured_ms <= injected_ms + above_ms, (
+        f"measured {measured_ms:.1f} ms for an injected {injected_ms:.1f} ms"
+    )
