@@ -9,24 +9,25 @@ temperature and truncation, as OpenAI's and vLLM's do.
 from __future__ import annotations
 
 import codecs
-import ctypes
-import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import llama_cpp
-import numpy as np
 
+from backends._llamacpp_sampling import (
+    build_sampler,
+    last_logits,
+    logprob_entry,
+    prompt_logprobs,
+)
 from backends._stop import StopBuffer
 from backends.base import (
     EnginePhases,
     FinishReason,
     GenerationChunk,
     GenerationRequest,
-    SamplingParams,
     TokenLogprob,
-    TopLogprob,
     Usage,
 )
 from backends.errors import (
@@ -169,14 +170,20 @@ class LlamaRunner:
             return
         prefill_s = time.monotonic() - started
         if params.echo and request.kind == "completion":
-            prompt_logprobs = (
-                self._prompt_logprobs(llm, tokens, params.top_logprobs)
+            echoed = (
+                prompt_logprobs(llm.scores, tokens, params.top_logprobs, self._piece)
                 if needs_prompt_logprobs
                 else None
             )
-            emit(GenerationChunk(prompt_text=prompt_text, prompt_logprobs=prompt_logprobs))
+            emit(GenerationChunk(prompt_text=prompt_text, prompt_logprobs=echoed))
 
-        sampler = self._sampler(params)
+        sampler = build_sampler(
+            params,
+            n_vocab=self.n_vocab,
+            n_ctx=self.n_ctx,
+            eog_ids=self.eog_ids,
+            default_seed=self._default_seed,
+        )
         try:
             self._decode(
                 llm, request, sampler, max_tokens, want_logprobs, emit, is_cancelled,
@@ -212,7 +219,7 @@ class LlamaRunner:
             if is_cancelled():
                 return
             _check_deadline(request.deadline)
-            logits = _last_logits(llm, self.n_vocab) if want_logprobs else None
+            logits = last_logits(llm, self.n_vocab) if want_logprobs else None
             token = llama_cpp.llama_sampler_sample(sampler, llm.ctx, -1)
             self.num_generated_tokens += 1
             if token in stop_ids or (token in self.eog_ids and not params.ignore_eos):
@@ -222,7 +229,7 @@ class LlamaRunner:
             piece = self._piece(token)
             entry = None
             if logits is not None:
-                entry = self._logprob_entry(logits, token, piece, params.top_logprobs)
+                entry = logprob_entry(logits, token, piece, params.top_logprobs, self._piece)
             release = stop_buffer.push(decoder.decode(piece), (token, entry))
             held.extend(release.payloads)
             if release.text:
@@ -295,48 +302,6 @@ class LlamaRunner:
             self._echo_llm = self._make_echo_llm()
         return self._echo_llm
 
-    def _sampler(self, params: SamplingParams) -> Any:
-        """llama.cpp's sampler chain for ``params`` (the caller frees it)."""
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        add = llama_cpp.llama_sampler_chain_add
-        if params.ignore_eos and self.eog_ids:
-            biases = (llama_cpp.llama_logit_bias * len(self.eog_ids))(
-                *(llama_cpp.llama_logit_bias(token=t, bias=float("-inf")) for t in self.eog_ids)
-            )
-            add(chain, llama_cpp.llama_sampler_init_logit_bias(self.n_vocab, len(biases), biases))
-        if (
-            params.repetition_penalty != 1.0
-            or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0
-        ):
-            # The window covers the whole context: penalties count every generated token.
-            add(
-                chain,
-                llama_cpp.llama_sampler_init_penalties(
-                    self.n_ctx,
-                    params.repetition_penalty,
-                    params.frequency_penalty,
-                    params.presence_penalty,
-                ),
-            )
-        if params.temperature <= 0.0:
-            add(chain, llama_cpp.llama_sampler_init_greedy())
-            return chain
-        if params.top_k:
-            add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-        if params.min_p > 0.0:
-            add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
-        add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
-        seed = params.seed if params.seed is not None else self._default_seed
-        if seed is None:
-            seed = random.getrandbits(32)
-        add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
-
-    # -- logprobs -------------------------------------------------------------------------
-
     def _piece(self, token: int) -> bytes:
         piece = self._pieces.get(token)
         if piece is None:
@@ -344,84 +309,12 @@ class LlamaRunner:
             self._pieces[token] = piece
         return piece
 
-    def _logprob_entry(
-        self, logits: np.ndarray, token: int, piece: bytes, num_top: int
-    ) -> TokenLogprob:
-        logprobs = _log_softmax(logits)  # (n_vocab,)
-        top: tuple[TopLogprob, ...] = ()
-        if num_top > 0:
-            ids = np.argpartition(-logprobs, num_top - 1)[:num_top]
-            ids = ids[np.argsort(-logprobs[ids], kind="stable")]
-            top = tuple(
-                TopLogprob(
-                    token=self._piece(int(i)).decode("utf-8", errors="replace"),
-                    logprob=float(logprobs[i]),
-                    token_id=int(i),
-                    bytes=list(self._piece(int(i))),
-                )
-                for i in ids
-            )
-        return TokenLogprob(
-            token=piece.decode("utf-8", errors="replace"),
-            logprob=float(logprobs[token]),
-            token_id=token,
-            bytes=list(piece),
-            top_logprobs=top,
-        )
-
-    def _prompt_logprobs(
-        self, llm: Any, tokens: Sequence[int], num_top: int
-    ) -> tuple[TokenLogprob, ...]:
-        """Per prompt token: its logprob given the tokens before it (None for the first)."""
-        entries = []
-        offset = 0
-        for position, token in enumerate(tokens):
-            piece = self._piece(token)
-            if position == 0:
-                entry = TokenLogprob(
-                    token=piece.decode("utf-8", errors="replace"),
-                    logprob=None,
-                    token_id=token,
-                    bytes=list(piece),
-                )
-            else:
-                # Row p-1 of the score buffer holds the logits that predicted position p.
-                logits = np.asarray(llm.scores[position - 1], dtype=np.float32)
-                entry = self._logprob_entry(logits, token, piece, num_top)
-            entries.append(_with_offset(entry, offset))
-            offset += len(piece.decode("utf-8", errors="replace"))
-        return tuple(entries)
-
-
-def _with_offset(entry: TokenLogprob, offset: int) -> TokenLogprob:
-    return TokenLogprob(
-        token=entry.token,
-        logprob=entry.logprob,
-        token_id=entry.token_id,
-        bytes=entry.bytes,
-        top_logprobs=entry.top_logprobs,
-        text_offset=offset,
-    )
-
 
 def _eval(llm: Any, tokens: list[int]) -> None:
     try:
         llm.eval(tokens)
     except RuntimeError as exc:  # llama_decode failures (out of KV slots, compute errors)
         raise BackendError(f"llama.cpp failed to evaluate tokens: {exc}") from exc
-
-
-def _last_logits(llm: Any, n_vocab: int) -> np.ndarray:
-    pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    # A copy: the buffer is overwritten by the next decode.
-    return np.ctypeslib.as_array(
-        ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)
-    ).copy()
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max()
-    return shifted - np.log(np.exp(shifted).sum())
 
 
 def _check_deadline(deadline: float | None) -> None:

@@ -1,4 +1,5 @@
-"""The parts of OpenAI's streaming chunk format the ``openai`` backend reads.
+"""OpenAI's wire format as the ``openai`` backend speaks it: request bodies, stream chunks,
+error bodies.
 
 Lenient on purpose: unknown fields are ignored and most fields are optional, since vLLM,
 SGLang, TensorRT-LLM, llama-server and OpenAI itself each add or omit a few.
@@ -6,13 +7,28 @@ SGLang, TensorRT-LLM, llama-server and OpenAI itself each add or omit a few.
 
 from __future__ import annotations
 
+import email.utils
+import time
 from typing import Any
 
+import httpx
 import msgspec
 
-from backends.base import TokenLogprob, TopLogprob, Usage
+from backends.base import GenerationRequest, TokenLogprob, TopLogprob, Usage
+from backends.errors import UnsupportedParameterError
 
-__all__ = ["StreamChunk", "UpstreamError", "ErrorBody", "chat_logprobs", "completion_logprobs"]
+__all__ = [
+    "ErrorBody",
+    "StreamChunk",
+    "UpstreamError",
+    "chat_logprobs",
+    "completion_logprobs",
+    "read_error_body",
+    "request_body",
+    "retry_after_seconds",
+]
+
+_MAX_ERROR_BODY = 64 * 1024
 
 
 class TopLogprobEntry(msgspec.Struct, kw_only=True):
@@ -88,6 +104,9 @@ class ErrorBody(msgspec.Struct, kw_only=True):
     detail: Any = None
 
 
+_error_decoder = msgspec.json.Decoder(ErrorBody)
+
+
 def chat_logprobs(logprobs: ChoiceLogprobs | None) -> tuple[TokenLogprob, ...] | None:
     if logprobs is None or logprobs.content is None:
         return None
@@ -113,7 +132,7 @@ def completion_logprobs(logprobs: ChoiceLogprobs | None) -> tuple[TokenLogprob, 
     offsets = logprobs.text_offset or []
     entries = []
     for i, token in enumerate(logprobs.tokens):
-        top = tops[i] if i < len(tops) and tops[i] else {}
+        top: dict[str, float] = (tops[i] or {}) if i < len(tops) else {}
         entries.append(
             TokenLogprob(
                 token=token,
@@ -126,3 +145,123 @@ def completion_logprobs(logprobs: ChoiceLogprobs | None) -> tuple[TokenLogprob, 
             )
         )
     return tuple(entries)
+
+
+def request_body(request: GenerationRequest, *, model: str) -> tuple[str, bytes]:
+    """Upstream path and JSON body for ``request`` (always streaming, with usage)."""
+    params = request.params
+    body: dict[str, Any] = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    want_logprobs = params.logprobs or params.top_logprobs > 0
+    if request.kind == "chat":
+        path = "/chat/completions"
+        body["messages"] = [
+            {"role": m.role, "content": m.content}
+            | ({"name": m.name} if m.name is not None else {})
+            for m in request.messages or ()
+        ]
+        if want_logprobs:
+            body["logprobs"] = True
+            if params.top_logprobs:
+                body["top_logprobs"] = params.top_logprobs
+    else:
+        path = "/completions"
+        prompt = request.prompt
+        body["prompt"] = list(prompt) if isinstance(prompt, tuple) else (prompt or "")
+        if params.echo:
+            # Echo is answered here from the prompt text; prompt logprobs would need the
+            # upstream's echo, whose streamed shape differs between servers.
+            if want_logprobs:
+                raise UnsupportedParameterError(
+                    "echo with logprobs is not supported by backends of kind 'openai'",
+                    param="echo",
+                )
+            if not isinstance(prompt, str):
+                raise UnsupportedParameterError(
+                    "echo needs a text prompt on backends of kind 'openai'", param="echo"
+                )
+        if want_logprobs:
+            body["logprobs"] = params.top_logprobs
+    if params.max_tokens is not None:
+        body["max_tokens"] = params.max_tokens
+    body["temperature"] = params.temperature
+    body["top_p"] = params.top_p
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.presence_penalty:
+        body["presence_penalty"] = params.presence_penalty
+    if params.frequency_penalty:
+        body["frequency_penalty"] = params.frequency_penalty
+    if request.user is not None:
+        body["user"] = request.user
+    if request.response_format is not None:
+        body["response_format"] = request.response_format
+    # vLLM/SGLang extensions: sent only when used, since OpenAI itself rejects them.
+    if params.top_k:
+        body["top_k"] = params.top_k
+    if params.min_p:
+        body["min_p"] = params.min_p
+    if params.repetition_penalty != 1.0:
+        body["repetition_penalty"] = params.repetition_penalty
+    if params.ignore_eos:
+        body["ignore_eos"] = True
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    return path, msgspec.json.encode(body)
+
+
+async def read_error_body(response: httpx.Response) -> tuple[str, str | None, str | None]:
+    """Message, param and code of an upstream error body (bounded read)."""
+    raw = b""
+    try:
+        async for piece in response.aiter_bytes():
+            raw += piece
+            if len(raw) > _MAX_ERROR_BODY:
+                break
+    except httpx.HTTPError:
+        pass
+    status = response.status_code
+    fallback = f"the upstream answered HTTP {status}"
+    try:
+        body = _error_decoder.decode(raw[:_MAX_ERROR_BODY])
+    except msgspec.DecodeError:
+        text = raw[:500].decode("utf-8", errors="replace").strip()
+        return (text or fallback), None, None
+    error = body.error
+    if isinstance(error, str):
+        return error, None, None
+    if error is not None:
+        code = error.code if isinstance(error.code, str) else None
+        return error.message or fallback, error.param, code
+    if body.message:
+        return body.message, None, None
+    if isinstance(body.detail, str):
+        return body.detail, None, None
+    return fallback, None, None
+
+
+def retry_after_seconds(headers: httpx.Headers) -> float | None:
+    """Seconds from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date)."""
+    value = headers.get("retry-after-ms")
+    if value is not None:
+        try:
+            return max(0.0, float(value) / 1000.0)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

@@ -35,7 +35,12 @@ from backends.base import (
     HealthStatus,
     ModelInfo,
 )
-from backends.errors import BackendError, BackendUnavailableError, InfermuxError
+from backends.errors import (
+    BackendError,
+    BackendUnavailableError,
+    GenerationAbortedError,
+    InfermuxError,
+)
 
 __all__ = ["LlamaCppBackend", "LlamaCppOptions", "create_backend"]
 
@@ -96,6 +101,7 @@ class LlamaCppBackend:
         )
         self._executor: ThreadPoolExecutor | None = None
         self._runner: Any | None = None
+        self._jobs: set[_Job] = set()
         self._model_path: Path | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -213,6 +219,11 @@ class LlamaCppBackend:
         executor = self._executor
         if executor is None:
             return
+        for job in list(self._jobs):
+            # Running and queued generations stop at their next token; their readers get
+            # an error now rather than waiting on a queue that no worker will fill.
+            job.cancelled.set()
+            job.send(GenerationAbortedError(f"backend {self.name!r} is shutting down"))
         if runner is not None:
             await asyncio.get_running_loop().run_in_executor(executor, runner.close)
         self._shutdown_executor()
@@ -247,6 +258,7 @@ class LlamaCppBackend:
             executor.submit(self._work, runner, job)
         except RuntimeError as exc:  # executor shut down between the check and here
             raise BackendUnavailableError(f"backend {self.name!r} is shutting down") from exc
+        self._jobs.add(job)
         try:
             while True:
                 item = await job.queue.get()
@@ -257,6 +269,7 @@ class LlamaCppBackend:
                 yield item
         finally:
             job.cancelled.set()
+            self._jobs.discard(job)
 
     @staticmethod
     def _work(runner: Any, job: _Job) -> None:

@@ -1,7 +1,9 @@
 """The ``openai`` backend: any OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM,
 llama-server, another infermux) reached over HTTP with ``httpx``.
 
-Upstream requests always stream (``stream: true`` with ``stream_options.include_usage``),
+The client is ``httpx.AsyncClient``; for ``http://`` upstreams its transport is
+:class:`backends._http1_transport.Http1Transport` (lean keep-alive HTTP/1.1; the option
+``http_transport = "httpx"`` selects httpx's default one). Upstream requests always stream (``stream: true`` with ``stream_options.include_usage``),
 whatever the client asked, so the first token is seen as soon as it exists and usage arrives
 in the last event; the gateway assembles non-streaming answers. Closing the iterator closes
 the upstream response, which makes the upstream abort the generation.
@@ -22,17 +24,23 @@ Errors are translated here, at the boundary::
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 import msgspec
 
 from backends._http1_transport import Http1Transport
-from backends._openai_wire import ErrorBody, StreamChunk, chat_logprobs, completion_logprobs
+from backends._openai_wire import (
+    StreamChunk,
+    chat_logprobs,
+    completion_logprobs,
+    read_error_body,
+    request_body,
+    retry_after_seconds,
+)
 from backends._option import BackendOptionError, decode_options
 from backends._sse import SSEParser
 from backends.base import (
@@ -53,7 +61,6 @@ from backends.errors import (
     NotFoundError,
     RequestTooLargeError,
     StreamIdleTimeoutError,
-    UnsupportedParameterError,
     UpstreamRateLimitError,
     UpstreamStatusError,
     UpstreamTimeoutError,
@@ -61,12 +68,11 @@ from backends.errors import (
 
 __all__ = ["OpenAICompatBackend", "OpenAICompatOptions", "create_backend"]
 
-_MAX_ERROR_BODY = 64 * 1024
-# After ``[DONE]`` only the end of the chunked body should follow.
-_DRAIN_TIMEOUT_S = 1.0
+# After ``[DONE]`` only the end of the chunked body should follow, at once; an upstream that
+# holds the body open costs this much before the last chunk, then loses keep-alive.
+_DRAIN_TIMEOUT_S = 0.05
 _FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "tool_calls", "content_filter"})
 _chunk_decoder = msgspec.json.Decoder(StreamChunk)
-_error_decoder = msgspec.json.Decoder(ErrorBody)
 
 
 class OpenAICompatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -111,7 +117,11 @@ class OpenAICompatBackend:
                 f"{prefix}.headers: put the key in an environment variable and name it in "
                 f"{prefix}.api_key_env instead of an Authorization header"
             )
-        self.capabilities = Capabilities(logprobs=True, echo=True, max_top_logprobs=20)
+        # Structured outputs pass through: the upstream (vLLM, SGLang...) enforces and
+        # validates them, and its 400 comes back to the client with its message.
+        self.capabilities = Capabilities(
+            logprobs=True, echo=True, structured_outputs=True, max_top_logprobs=20
+        )
         self._base_url = self.options.base_url.rstrip("/")
         self._client: httpx.AsyncClient | None = None
 
@@ -191,7 +201,7 @@ class OpenAICompatBackend:
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         client = await self._ensure_client()
-        path, body = self._body(request)
+        path, body = request_body(request, model=self.options.model or request.model)
         headers = {"x-request-id": request.request_id}
         if request.traceparent:
             headers["traceparent"] = request.traceparent
@@ -336,8 +346,8 @@ class OpenAICompatBackend:
 
     async def _status_error(self, response: httpx.Response) -> InfermuxError:
         status = response.status_code
-        message, param, code = await _read_error(response)
-        retry_after = _retry_after(response.headers)
+        message, param, code = await read_error_body(response)
+        retry_after = retry_after_seconds(response.headers)
         where = f"backend {self.name!r}"
         if status == 429:
             return UpstreamRateLimitError(
@@ -361,125 +371,6 @@ class OpenAICompatBackend:
         if status >= 400:
             return InvalidRequestError(message, param=param, code=code)
         return UpstreamStatusError(f"{where}: unexpected upstream status {status}")
-
-    def _body(self, request: GenerationRequest) -> tuple[str, bytes]:
-        """Upstream path and JSON body for ``request`` (always streaming, with usage)."""
-        params = request.params
-        body: dict[str, Any] = {
-            "model": self.options.model or request.model,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        want_logprobs = params.logprobs or params.top_logprobs > 0
-        if request.kind == "chat":
-            path = "/chat/completions"
-            body["messages"] = [
-                {"role": m.role, "content": m.content}
-                | ({"name": m.name} if m.name is not None else {})
-                for m in request.messages or ()
-            ]
-            if want_logprobs:
-                body["logprobs"] = True
-                if params.top_logprobs:
-                    body["top_logprobs"] = params.top_logprobs
-        else:
-            path = "/completions"
-            prompt = request.prompt
-            body["prompt"] = list(prompt) if isinstance(prompt, tuple) else (prompt or "")
-            if params.echo:
-                # Echo is answered here from the prompt text; prompt logprobs would need the
-                # upstream's echo, whose streamed shape differs between servers.
-                if want_logprobs:
-                    raise UnsupportedParameterError(
-                        "echo with logprobs is not supported by backends of kind 'openai'",
-                        param="echo",
-                    )
-                if not isinstance(prompt, str):
-                    raise UnsupportedParameterError(
-                        "echo needs a text prompt on backends of kind 'openai'", param="echo"
-                    )
-            if want_logprobs:
-                body["logprobs"] = params.top_logprobs
-        if params.max_tokens is not None:
-            body["max_tokens"] = params.max_tokens
-        body["temperature"] = params.temperature
-        body["top_p"] = params.top_p
-        if params.seed is not None:
-            body["seed"] = params.seed
-        if params.stop:
-            body["stop"] = list(params.stop)
-        if params.presence_penalty:
-            body["presence_penalty"] = params.presence_penalty
-        if params.frequency_penalty:
-            body["frequency_penalty"] = params.frequency_penalty
-        if request.user is not None:
-            body["user"] = request.user
-        if request.response_format is not None:
-            body["response_format"] = request.response_format
-        # vLLM/SGLang extensions: sent only when used, since OpenAI itself rejects them.
-        if params.top_k:
-            body["top_k"] = params.top_k
-        if params.min_p:
-            body["min_p"] = params.min_p
-        if params.repetition_penalty != 1.0:
-            body["repetition_penalty"] = params.repetition_penalty
-        if params.ignore_eos:
-            body["ignore_eos"] = True
-        if params.stop_token_ids:
-            body["stop_token_ids"] = list(params.stop_token_ids)
-        return path, msgspec.json.encode(body)
-
-
-async def _read_error(response: httpx.Response) -> tuple[str, str | None, str | None]:
-    """Message, param and code of an upstream error body (bounded read)."""
-    raw = b""
-    try:
-        async for piece in response.aiter_bytes():
-            raw += piece
-            if len(raw) > _MAX_ERROR_BODY:
-                break
-    except httpx.HTTPError:
-        pass
-    status = response.status_code
-    fallback = f"the upstream answered HTTP {status}"
-    try:
-        body = _error_decoder.decode(raw[:_MAX_ERROR_BODY])
-    except msgspec.DecodeError:
-        text = raw[:500].decode("utf-8", errors="replace").strip()
-        return (text or fallback), None, None
-    error = body.error
-    if isinstance(error, str):
-        return error, None, None
-    if error is not None:
-        code = error.code if isinstance(error.code, str) else None
-        return error.message or fallback, error.param, code
-    if body.message:
-        return body.message, None, None
-    if isinstance(body.detail, str):
-        return body.detail, None, None
-    return fallback, None, None
-
-
-def _retry_after(headers: httpx.Headers) -> float | None:
-    """Seconds from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date)."""
-    value = headers.get("retry-after-ms")
-    if value is not None:
-        try:
-            return max(0.0, float(value) / 1000.0)
-        except ValueError:
-            pass
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 async def _drain(stream: AsyncIterator[bytes]) -> None:

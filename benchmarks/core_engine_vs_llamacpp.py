@@ -100,7 +100,9 @@ def model_costs(engine: LLMEngine) -> dict[str, float]:
 # -- the core engine ----------------------------------------------------------------------
 
 
-def engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float | None]:
+def engine_run(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, float | None]:
     """Run ``prompts`` to completion; (wall seconds, seconds to the first token of request 0)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
@@ -133,7 +135,9 @@ def best_of(repeats: int, fn: Callable[[], float], *, higher_is_better: bool = T
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="GGUF (default: SmolLM2-135M Q4_1)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="GGUF (default: SmolLM2-135M Q4_1)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
@@ -154,8 +158,11 @@ def main() -> None:
     print(f"model {model_path.name}, {args.threads} threads", flush=True)
     engine = LLMEngine.from_config(
         EngineConfig(
-            model_path=str(model_path), dtype=args.dtype, num_threads=args.threads,
-            max_num_batched_tokens=max(512, args.prefill_len), max_num_seqs=max(args.concurrency),
+            model_path=str(model_path),
+            dtype=args.dtype,
+            num_threads=args.threads,
+            max_num_batched_tokens=max(512, args.prefill_len),
+            max_num_seqs=max(args.concurrency),
             kv_cache_memory_bytes=1 << 30,
         )
     )
@@ -167,19 +174,27 @@ def main() -> None:
         from llamacpp_batch import LlamaCppBatch
 
         llama = LlamaCppBatch(
-            model_path, threads=args.threads, max_seqs=max(args.concurrency),
+            model_path,
+            threads=args.threads,
+            max_seqs=max(args.concurrency),
             n_ctx=max(max(args.concurrency) * (12 + args.output_len + 16), max_len + 32),
         )
 
     machine = {"bandwidth_Bps": measure_bandwidth(), "matmul_flops": measure_matmul_flops(dtype)}
     costs = model_costs(engine)
     gguf_bytes = float(model_path.stat().st_size)
-    print(f"bandwidth {machine['bandwidth_Bps'] / 1e9:.1f} GB/s, {dtype} matmul "
-          f"{machine['matmul_flops'] / 1e9:.0f} GFLOP/s, engine weights "
-          f"{costs['weight_bytes'] / 2**20:.0f} MiB, GGUF {gguf_bytes / 2**20:.0f} MiB", flush=True)
+    print(
+        f"bandwidth {machine['bandwidth_Bps'] / 1e9:.1f} GB/s, {dtype} matmul "
+        f"{machine['matmul_flops'] / 1e9:.0f} GFLOP/s, engine weights "
+        f"{costs['weight_bytes'] / 2**20:.0f} MiB, GGUF {gguf_bytes / 2**20:.0f} MiB",
+        flush=True,
+    )
 
     def roofline(batch: int, weight_bytes: float) -> float:
-        step = max(weight_bytes / machine["bandwidth_Bps"], batch * costs["flops_per_token"] / machine["matmul_flops"])
+        step = max(
+            weight_bytes / machine["bandwidth_Bps"],
+            batch * costs["flops_per_token"] / machine["matmul_flops"],
+        )
         return batch / step
 
     results: dict[str, dict[str, Any]] = {}
@@ -195,7 +210,9 @@ def main() -> None:
     results["decode_1"] = {
         "unit": "tok/s",
         "engine": best_of(args.repeats, lambda: engine_decode_1(engine, short[0], n)),
-        "llamacpp": best_of(args.repeats, lambda: (n - 1) / _llama_decode_time(llama, short[0], n)) if llama else None,
+        "llamacpp": best_of(args.repeats, lambda: (n - 1) / _llama_decode_time(llama, short[0], n))
+        if llama
+        else None,
         "engine_roofline": roofline(1, costs["weight_bytes"]),
         "llamacpp_roofline": roofline(1, gguf_bytes),
     }
@@ -241,12 +258,19 @@ def main() -> None:
 
     print(f"TTFT with a {args.prefix_len}-token cached prefix...", flush=True)
     prefix = corpus[: args.prefix_len]
-    cold_prompt = prefix + tok.encode(" Question: who keeps the logbook? Answer:", add_special=False)
+    cold_prompt = prefix + tok.encode(
+        " Question: who keeps the logbook? Answer:", add_special=False
+    )
     warm_prompt = prefix + tok.encode(" Question: what is on the menu? Answer:", add_special=False)
     engine.reset_prefix_cache()
     cold = engine_run(engine, [cold_prompt], 1)[1]
     warm = engine_run(engine, [warm_prompt], 1)[1]
-    ttft: dict[str, Any] = {"unit": "s", "engine_cold": cold, "engine_warm": warm, "engine": warm / cold}
+    ttft: dict[str, Any] = {
+        "unit": "s",
+        "engine_cold": cold,
+        "engine_warm": warm,
+        "engine": warm / cold,
+    }
     if llama:
         llama.clear()
         t = time.perf_counter()
@@ -277,18 +301,27 @@ def _llama_decode_time(llama: Any, prompt: list[int], n: int) -> float:
 
 
 def report(
-    args: argparse.Namespace, results: dict[str, dict[str, Any]], machine: dict[str, float],
-    costs: dict[str, float], gguf_bytes: float, dtype: str, model_name: str,
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    machine: dict[str, float],
+    costs: dict[str, float],
+    gguf_bytes: float,
+    dtype: str,
+    model_name: str,
 ) -> None:
     print()
-    print(f"{'figure':<14}{'engine':>12}{'llama.cpp':>12}{'ratio':>8}{'target':>8}{'eng/roof':>10}{'lcpp/roof':>10}")
+    print(
+        f"{'figure':<14}{'engine':>12}{'llama.cpp':>12}{'ratio':>8}{'target':>8}{'eng/roof':>10}{'lcpp/roof':>10}"
+    )
     for name, r in results.items():
         if name == "ttft_prefix":
             continue
         ratio = r["engine"] / r["llamacpp"] if r.get("llamacpp") else None
         r["ratio"] = ratio
         r["engine_fraction_of_roofline"] = r["engine"] / r["engine_roofline"]
-        r["llamacpp_fraction_of_roofline"] = r["llamacpp"] / r["llamacpp_roofline"] if r.get("llamacpp") else None
+        r["llamacpp_fraction_of_roofline"] = (
+            r["llamacpp"] / r["llamacpp_roofline"] if r.get("llamacpp") else None
+        )
         print(
             f"{name:<14}{r['engine']:>12.1f}{_fmt(r.get('llamacpp'), '.1f'):>12}{_fmt(ratio, '.2f'):>8}"
             f"{_fmt(TARGETS.get(name), '.1f'):>8}{r['engine_fraction_of_roofline']:>10.2f}"
@@ -298,8 +331,11 @@ def report(
     print(
         f"TTFT {args.prefix_len}-token prefix: engine cold {t['engine_cold'] * 1e3:.0f} ms, warm "
         f"{t['engine_warm'] * 1e3:.0f} ms (warm/cold {t['engine']:.3f}, target <= 0.2)"
-        + (f"; llama.cpp cold {t['llamacpp_cold'] * 1e3:.0f} ms, warm {t['llamacpp_warm'] * 1e3:.0f} ms"
-           if "llamacpp_cold" in t else "")
+        + (
+            f"; llama.cpp cold {t['llamacpp_cold'] * 1e3:.0f} ms, warm {t['llamacpp_warm'] * 1e3:.0f} ms"
+            if "llamacpp_cold" in t
+            else ""
+        )
     )
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -345,8 +381,18 @@ def _plot(results: dict[str, dict[str, Any]], path: Path, args: argparse.Namespa
     ax1.set_ylabel("tok/s")
     ax1.set_title(f"throughput, {args.threads} threads")
     ax1.legend()
-    ax2.bar([x - 0.2 for x in xs], [results[n]["engine_fraction_of_roofline"] for n in names], 0.4, label="core engine")
-    ax2.bar([x + 0.2 for x in xs], [results[n].get("llamacpp_fraction_of_roofline") or 0 for n in names], 0.4, label="llama.cpp")
+    ax2.bar(
+        [x - 0.2 for x in xs],
+        [results[n]["engine_fraction_of_roofline"] for n in names],
+        0.4,
+        label="core engine",
+    )
+    ax2.bar(
+        [x + 0.2 for x in xs],
+        [results[n].get("llamacpp_fraction_of_roofline") or 0 for n in names],
+        0.4,
+        label="llama.cpp",
+    )
     ax2.set_xticks(list(xs), names)
     ax2.set_ylabel("fraction of roofline")
     t = results["ttft_prefix"]

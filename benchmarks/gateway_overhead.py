@@ -41,104 +41,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from fast_upstream import UPSTREAM_MODEL
+from overhead_report import plot, print_table
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 RESULTS = ROOT / "benchmarks" / "results"
 LITELLM_VENV = ROOT / ".venv-litellm"
-UPSTREAM_MODEL = "upstream-model"
 ALIAS = "bench"
 TARGETS = ("direct", "infermux", "litellm")
-
-
-# -- the upstream (runs in its own process: --role upstream) ------------------------------
-
-
-def _upstream_app(chunks: int) -> Any:
-    """A raw ASGI app: every answer is precomputed, so the upstream costs almost nothing."""
-    words = [f" w{i}" for i in range(chunks)]
-    base = {"id": "chatcmpl-bench", "created": 0, "model": UPSTREAM_MODEL}
-    usage = {"prompt_tokens": 8, "completion_tokens": chunks, "total_tokens": 8 + chunks}
-    full = json.dumps(
-        base
-        | {
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "".join(words)},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": usage,
-        }
-    ).encode()
-
-    def event(payload: dict[str, Any]) -> bytes:
-        return (
-            b"data: "
-            + json.dumps(base | {"object": "chat.completion.chunk"} | payload).encode()
-            + b"\n\n"
-        )
-
-    role = event(
-        {
-            "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            ]
-        }
-    )
-    content = [
-        event({"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]})
-        for w in words
-    ]
-    tail = (
-        event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-        + event({"choices": [], "usage": usage})
-        + b"data: [DONE]\n\n"
-    )
-    models = json.dumps(
-        {"object": "list", "data": [{"id": UPSTREAM_MODEL, "object": "model"}]}
-    ).encode()
-    json_headers = [(b"content-type", b"application/json")]
-    sse_headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        body = b""
-        more = True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-        if scope["method"] == "GET":
-            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
-            await send({"type": "http.response.body", "body": models})
-            return
-        if b'"stream":true' not in body.replace(b" ", b""):
-            await send({"type": "http.response.start", "status": 200, "headers": json_headers})
-            await send({"type": "http.response.body", "body": full})
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
-        await send({"type": "http.response.body", "body": role, "more_body": True})
-        for piece in content:
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-        await send({"type": "http.response.body", "body": tail})
-
-    return app
-
-
-def _run_upstream(port: int, chunks: int) -> None:
-    import uvicorn
-
-    uvicorn.run(
-        _upstream_app(chunks), host="127.0.0.1", port=port, log_level="warning", access_log=False
-    )
+#: LiteLLM's proxy refuses to start without a master key; every target gets the same header.
+MASTER_KEY = "sk-bench-" + os.urandom(16).hex()
 
 
 def _run_infermux(config_path: Path, port: int) -> None:
@@ -238,7 +151,7 @@ def _sequential(
     import httpx
     from tqdm import tqdm
 
-    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    headers = {"content-type": "application/json", "authorization": f"Bearer {MASTER_KEY}"}
     clients = {t: httpx.Client(base_url=u, headers=headers, timeout=30.0) for t, u in urls.items()}
     samples: dict[str, dict[str, list[float]]] = {t: {"total": [], "first": []} for t in urls}
     bodies = {t: _body(t, stream, chunks) for t in urls}
@@ -273,7 +186,7 @@ async def _concurrent_round(url: str, body: bytes, requests: int, concurrency: i
 
     latencies: list[float] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    headers = {"content-type": "application/json", "authorization": f"Bearer {MASTER_KEY}"}
     async with httpx.AsyncClient(
         base_url=url, headers=headers, limits=limits, timeout=60.0
     ) as client:
@@ -368,37 +281,6 @@ def _ratios(results: dict[str, Any]) -> dict[str, float | None]:
     return ratios
 
 
-def _plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels: list[str] = []
-    series: dict[str, list[float]] = {"infermux": [], "litellm": []}
-    for scenario, summary in results.items():
-        for key in ("p50", "p99", "per_chunk"):
-            if key not in summary["added_ms"].get("infermux", {}):
-                continue
-            labels.append(f"{scenario}\n{key}")
-            for target in series:
-                series[target].append(summary["added_ms"].get(target, {}).get(key, float("nan")))
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4))
-    width = 0.38
-    xs = range(len(labels))
-    ax.bar([x - width / 2 for x in xs], series["infermux"], width, label="infermux")
-    if any(v == v for v in series["litellm"]):  # not all NaN
-        ax.bar([x + width / 2 for x in xs], series["litellm"], width, label="LiteLLM proxy")
-    ax.set_xticks(list(xs), labels, fontsize=8)
-    ax.set_ylabel("added latency vs direct (ms)")
-    ax.set_yscale("symlog", linthresh=1.0)
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_title("Gateway overhead (lower is better)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def _machine() -> dict[str, Any]:
     cpu = platform.processor()
     with contextlib.suppress(OSError):
@@ -415,33 +297,6 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _print_table(results: dict[str, Any], ratios: dict[str, float | None]) -> None:
-    print()
-    print(
-        f"{'scenario':<22}{'target':<10}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'+/chunk ms':>11}"
-    )
-    for scenario, summary in results.items():
-        for target, latency in summary["latency_ms"].items():
-            added = summary["added_ms"].get(target, {})
-            per_chunk = added.get("per_chunk")
-            print(
-                f"{scenario:<22}{target:<10}{latency['p50']:>9.3f}{latency['p99']:>9.3f}"
-                f"{added.get('p50', 0.0):>9.3f}{added.get('p99', 0.0):>9.3f}"
-                f"{per_chunk if per_chunk is not None else float('nan'):>11.4f}"
-            )
-    if ratios:
-        print("\ninfermux added latency as a fraction of LiteLLM's (lower is better):")
-        for key, value in ratios.items():
-            print(f"  {key:<28} {'n/a' if value is None else f'{value:.3f}'}")
-    seq = results.get("sequential", {}).get("added_ms", {}).get("infermux")
-    if seq:
-        ok = seq["p50"] <= 1.0 and seq["p99"] <= 5.0
-        print(
-            f"\ntarget (sequential, non-streaming): added p50 <= 1 ms, p99 <= 5 ms -> "
-            f"{'met' if ok else 'NOT met'} (p50 {seq['p50']:.3f} ms, p99 {seq['p99']:.3f} ms)"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=500, help="sequential requests per target")
@@ -450,14 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=16, help="content chunks per answer")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
     parser.add_argument("--quick", action="store_true", help="a short run that proves it works")
-    parser.add_argument("--role", choices=("upstream", "infermux"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("infermux",), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    if args.role == "upstream":
-        _run_upstream(args.port, args.chunks)
-        return 0
     if args.role == "infermux":
         _run_infermux(args.config, args.port)
         return 0
@@ -482,9 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             _process(
                 [
                     sys.executable,
-                    script,
-                    "--role",
-                    "upstream",
+                    str(HERE / "fast_upstream.py"),
                     "--port",
                     str(upstream_port),
                     "--chunks",
@@ -535,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                         str(litellm_port),
                     ],
                     env={
+                        "LITELLM_MASTER_KEY": MASTER_KEY,
                         "LITELLM_LOG": "ERROR",
                         "LITELLM_TELEMETRY": "False",
                         "DISABLE_SCHEMA_UPDATE": "true",
@@ -569,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     ratios = _ratios(results)
-    _print_table(results, ratios)
+    print_table(results, ratios)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {
@@ -590,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = RESULTS / f"gateway_overhead-{stamp}.json"
     json_path.write_text(json.dumps(record, indent=2))
     png_path = json_path.with_suffix(".png")
-    _plot(results, png_path)
+    plot(results, png_path)
     print(f"\nwrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}")
     return 0
 

@@ -23,7 +23,9 @@ __all__ = ["LlamaCppBatch"]
 class LlamaCppBatch:
     """A model plus one context of ``n_ctx`` tokens shared by up to ``max_seqs`` sequences."""
 
-    def __init__(self, model_path: Path, *, threads: int, max_seqs: int, n_ctx: int, n_batch: int = 512) -> None:
+    def __init__(
+        self, model_path: Path, *, threads: int, max_seqs: int, n_ctx: int, n_batch: int = 512
+    ) -> None:
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
@@ -74,10 +76,14 @@ class LlamaCppBatch:
 
     def _argmax(self, index: int) -> int:
         pointer = llama_cpp.llama_get_logits_ith(self.ctx, index)
-        logits = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+        logits = np.ctypeslib.as_array(
+            ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)
+        )
         return int(logits.argmax())
 
-    def prefill(self, prompts: Sequence[Sequence[int]], *, start: Sequence[int] | None = None) -> list[int]:
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], *, start: Sequence[int] | None = None
+    ) -> list[int]:
         """Evaluate each prompt (from ``start[s]`` on, the rest being cached) as sequence ``s``;
         returns each sequence's greedy next token."""
         entries = []
@@ -94,7 +100,9 @@ class LlamaCppBatch:
                     next_tokens[seq] = self._argmax(i)
         return [next_tokens[s] for s in range(len(prompts))]
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int
+    ) -> tuple[list[list[int]], float]:
         """Greedy ``max_tokens`` per prompt, all sequences batched; returns (outputs, seconds)."""
         self.clear()
         started = time.perf_counter()
@@ -102,7 +110,10 @@ class LlamaCppBatch:
         outputs = [[t] for t in tokens]
         lengths = [len(p) for p in prompts]
         for _ in range(max_tokens - 1):
-            entries = [(outputs[s][-1], lengths[s] + len(outputs[s]) - 1, s, True) for s in range(len(prompts))]
+            entries = [
+                (outputs[s][-1], lengths[s] + len(outputs[s]) - 1, s, True)
+                for s in range(len(prompts))
+            ]
             self._decode(entries)
             for s in range(len(prompts)):
                 outputs[s].append(self._argmax(s))

@@ -85,6 +85,25 @@ PYTHON
     fi
 }
 
+# Can infermux serve the default model through backend $1? (A backend missing from the config
+# would fail every B request; say so once instead of running A alone for minutes.)
+backend_serves() {
+    "$PY" - "$INFERMUX_URL" "$1" <<'PYTHON'
+import sys
+import httpx
+url, backend = sys.argv[1], sys.argv[2]
+reply = httpx.post(
+    f"{url}/v1/chat/completions",
+    headers={"x-infermux-backend": backend},
+    json={"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+    timeout=600,
+)
+if reply.status_code != 200:
+    print(f"!! skipping backend {backend}: HTTP {reply.status_code}: {reply.text[:300]}", file=sys.stderr)
+    sys.exit(1)
+PYTHON
+}
+
 LLAMA_CMD=("$PY" -m llama_cpp.server --model "$MODEL_PATH" --host 127.0.0.1 --port "$LLAMA_PORT"
     --n_threads 2 --n_ctx 2048
     # By default llama_cpp.server aborts the running request when a new one arrives.
@@ -108,6 +127,10 @@ wait_ready "$INFERMUX_URL/ready" "$!" "infermux serve" "$OUT/infermux_serve.log"
 
 failures=0
 for backend in $BACKENDS; do
+    if ! backend_serves "$backend"; then
+        failures=$((failures + 1))
+        continue
+    fi
     for scenario in $SCENARIOS; do
         case "$scenario" in
             c*) load=(--concurrency "${scenario#c}") ;;

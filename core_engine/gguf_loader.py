@@ -70,6 +70,11 @@ class GGUFFile:
             raise GGUFLoadError(f"{self.path} is not a readable GGUF file: {exc}") from exc
         self._tensors: dict[str, ReaderTensor] = {t.name: t for t in self._reader.tensors}
 
+    @property
+    def reader(self) -> GGUFReader:
+        """The underlying :class:`gguf.GGUFReader` (raw fields and tensor records)."""
+        return self._reader
+
     @cached_property
     def metadata(self) -> dict[str, Any]:
         """All key/values, decoded to Python values (strings, numbers, lists)."""

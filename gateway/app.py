@@ -22,9 +22,11 @@ from litestar.openapi import OpenAPIConfig
 
 from backends.base import Backend, BackendConfig
 from backends.errors import InfermuxError
+from gateway.auth import api_key_guard
 from gateway.config import ConfigError, InfermuxConfig, check_registered_names
 from gateway.controllers import CONTROLLERS
 from gateway.errors import handle_exception
+from gateway.header_limit import header_limit_middleware
 from gateway.state import GatewayState
 from plugins.manager import InfermuxPluginManager, PluginHooks, create_plugin_manager
 
@@ -83,6 +85,9 @@ def create_app(
         route_handlers=list(CONTROLLERS),
         dependencies={"gateway": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
+        # Header size first (431), then the API key (401/403), then the handler.
+        middleware=[header_limit_middleware(config.limits.max_header_bytes)],
+        guards=[api_key_guard],
         lifespan=[lifespan],
         state=State({"gateway": state}),
         request_max_body_size=config.server.max_body_bytes,

@@ -3,8 +3,11 @@
 A :class:`ChoiceRun` opens every choice through the router concurrently, merges their
 chunks in arrival order, and guarantees that each choice that reached a backend is
 reported exactly once: ``on_response`` when it finished, ``on_error`` when it failed, was
-abandoned because a sibling failed, or the client went away. :meth:`ChoiceRun.aclose` is
-idempotent and is where abandoned upstream work is aborted.
+abandoned because a sibling failed, or the client went away. :meth:`ChoiceRun.abort` stops
+abandoned upstream work, :meth:`ChoiceRun.report` tells the plugins, :meth:`ChoiceRun.aclose`
+does both; all three are idempotent. A choice that failed or was abandoned after streaming tokens is reported
+with partial usage: the completion tokens streamed so far (prompt tokens only when the backend
+reported them, else 0).
 """
 
 from __future__ import annotations
@@ -38,13 +41,23 @@ _MERGE_QUEUE_SIZE = 64
 class ChoiceState:
     """One choice: the request the backend saw, its stream, and how it ended."""
 
-    __slots__ = ("request", "stream", "usage", "finish_reason", "outcome", "error")
+    __slots__ = (
+        "request",
+        "stream",
+        "usage",
+        "finish_reason",
+        "outcome",
+        "error",
+        "num_streamed_tokens",
+    )
 
     def __init__(self, request: GenerationRequest, stream: RoutedStream) -> None:
         self.request = request
         self.stream = stream
         self.usage: Usage | None = None
         self.finish_reason: str | None = None
+        #: Output tokens seen so far (token ids, else one per text chunk): partial usage.
+        self.num_streamed_tokens = 0
         #: "open" -> "finished" | "failed" | "aborted".
         self.outcome = "open"
         self.error: InfermuxError | None = None
@@ -62,7 +75,8 @@ class ChoiceRun:
         self.choices = choices
         self.n = n
         self._tasks: list[asyncio.Task[None]] = []
-        self._closed = False
+        self._aborted = False
+        self._reported = False
 
     @classmethod
     async def open(
@@ -184,9 +198,14 @@ class ChoiceRun:
 
     async def aclose(self) -> None:
         """Abort unfinished choices upstream, then report every choice once (idempotent)."""
-        if self._closed:
+        await self.abort()
+        await self.report()
+
+    async def abort(self) -> None:
+        """Stop the upstream work of every unfinished choice (idempotent)."""
+        if self._aborted:
             return
-        self._closed = True
+        self._aborted = True
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -204,6 +223,15 @@ class ChoiceRun:
                 await choice.stream.aclose()
             except Exception:
                 logger.exception("closing the stream of %s failed", choice.request.request_id)
+            if choice.outcome != "finished" and choice.usage is None:
+                choice.usage = _partial_usage(choice)
+
+    async def report(self) -> None:
+        """Tell the plugins how every choice ended, once each (aborts first if needed)."""
+        await self.abort()
+        if self._reported:
+            return
+        self._reported = True
         for choice in self.choices:
             if choice.outcome == "finished":
                 await self.hooks.on_response(
@@ -228,10 +256,21 @@ class ChoiceRun:
 
 
 def _account(choice: ChoiceState, chunk: GenerationChunk) -> None:
+    if chunk.token_ids:
+        choice.num_streamed_tokens += len(chunk.token_ids)
+    elif chunk.text:
+        choice.num_streamed_tokens += 1
     if chunk.usage is not None:
         choice.usage = chunk.usage
     if chunk.finish_reason is not None:
         choice.finish_reason = chunk.finish_reason
+
+
+def _partial_usage(choice: ChoiceState) -> Usage | None:
+    """What a failed or abandoned choice produced, when the backend could not say."""
+    if choice.num_streamed_tokens == 0:
+        return None
+    return Usage(prompt_tokens=0, completion_tokens=choice.num_streamed_tokens)
 
 
 async def _pump(

@@ -22,9 +22,12 @@ import msgspec
 
 from backends.base import BackendConfig
 from backends.default_model import DEFAULT_MODEL_ALIAS, default_model_path
+from gateway.observability_config import CostConfig, TelemetryConfig, validate_observability
 from gateway.validation_message import split_validation_message
 
 __all__ = [
+    "ApiKeyConfig",
+    "AuthConfig",
     "ConfigError",
     "InfermuxConfig",
     "LimitsConfig",
@@ -45,6 +48,7 @@ ENV_PORT = "INFERMUX_PORT"
 # Backend names travel in the ``x-infermux-backend`` header and in metric labels.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 _BACKEND_KEYS = frozenset(BackendConfig.__struct_fields__)
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 _TIMEOUT_KEYS = ("connect_timeout", "first_byte_timeout", "idle_timeout", "total_timeout")
 
 
@@ -91,7 +95,8 @@ class PluginsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[limits]``: caps on request parameters (over a cap: 400 naming the parameter)."""
+    """``[limits]``: caps on requests (over a parameter cap: 400 naming the parameter) and on
+    the load the gateway admits (docs/security.md lists every default)."""
 
     max_n: Annotated[int, msgspec.Meta(ge=1)] = 16
     #: Choices per request: ``n`` times the number of prompts of a completions request.
@@ -99,6 +104,46 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_stop_sequences: Annotated[int, msgspec.Meta(ge=0)] = 16
     max_stop_chars: Annotated[int, msgspec.Meta(ge=1)] = 1000
     max_top_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20
+    #: Request line plus headers, in bytes; more is answered 431.
+    max_header_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024
+    #: Chat messages per request.
+    max_messages: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    #: The largest ``max_tokens`` / ``max_completion_tokens`` a request may ask for (the
+    #: model's context window still applies on top).
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] = 32768
+    #: ``response_format`` as JSON, in bytes, and its deepest nesting.
+    max_response_format_bytes: Annotated[int, msgspec.Meta(ge=64)] = 64 * 1024
+    max_response_format_depth: Annotated[int, msgspec.Meta(ge=2)] = 32
+    #: Generation requests served at once; more wait in a queue ...
+    max_concurrent_requests: Annotated[int, msgspec.Meta(ge=1)] = 256
+    #: ... of this length (full: 503 server_is_overloaded) ...
+    max_queued_requests: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    #: ... for at most this long (then 503 server_is_overloaded).
+    queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+
+
+class ApiKeyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One ``[[auth.keys]]`` table: a client key, stored as its SHA-256 (never the key).
+
+    ``infermux key new`` makes a key and prints this table; ``infermux key hash`` hashes an
+    existing one.
+    """
+
+    #: Names the key in logs, usage records and metrics (never secret).
+    id: str
+    #: Lower-case hex SHA-256 of the key's UTF-8 bytes.
+    key_sha256: str
+    #: Who pays: budgets and usage are kept per tenant.
+    tenant: str = "default"
+    #: Requests per minute and tokens (prompt + completion) per minute; None: unlimited.
+    rpm: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    tpm: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[auth]``: API keys. Without keys the gateway is open, and then serves loopback only."""
+
+    keys: list[ApiKeyConfig] = []
 
 
 class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -109,6 +154,11 @@ class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     models: list[ModelConfig] = []
     plugins: PluginsConfig = PluginsConfig()
     limits: LimitsConfig = LimitsConfig()
+    auth: AuthConfig = AuthConfig()
+    #: Traces, metrics export and SLOs (gateway/observability_config.py).
+    telemetry: TelemetryConfig = TelemetryConfig()
+    #: Prices, the usage ledger and budgets (gateway/observability_config.py).
+    cost: CostConfig = CostConfig()
 
 
 def default_backends() -> list[BackendConfig]:
@@ -183,6 +233,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> InfermuxConfig:
         key, reason = split_validation_message(str(exc))
         raise ConfigError(f"{key}: {reason}" if key else reason, key=key) from exc
     _validate(config)
+    validate_observability(config, _fail)
     return config
 
 
@@ -258,6 +309,8 @@ def _validate(config: InfermuxConfig) -> None:
         if backend.max_concurrency is not None and backend.max_concurrency < 1:
             raise _fail(f"backends[{i}].max_concurrency", "must be >= 1 (or absent)")
 
+    _validate_auth(config.auth)
+
     seen_aliases: dict[str, int] = {}
     for i, model in enumerate(config.models):
         if not model.alias.strip():
@@ -277,6 +330,35 @@ def _validate(config: InfermuxConfig) -> None:
             if name in listed:
                 raise _fail(f"models[{i}].backends", f"backend {name!r} is listed twice")
             listed.add(name)
+
+
+def _validate_auth(auth: AuthConfig) -> None:
+    seen_ids: dict[str, int] = {}
+    seen_hashes: dict[str, int] = {}
+    for i, key in enumerate(auth.keys):
+        if not _NAME.fullmatch(key.id):
+            raise _fail(
+                f"auth.keys[{i}].id",
+                f"{key.id!r} is not a valid id (letters, digits, '_', '.', '-'; at most 64)",
+            )
+        if key.id in seen_ids:
+            raise _fail(f"auth.keys[{i}].id", f"duplicate key id {key.id!r}")
+        seen_ids[key.id] = i
+        if not _SHA256_HEX.fullmatch(key.key_sha256):
+            raise _fail(
+                f"auth.keys[{i}].key_sha256",
+                "expected the 64 hex digits of a SHA-256 (`infermux key hash` prints it); "
+                "never put the key itself in the config",
+            )
+        digest = key.key_sha256.lower()
+        if digest in seen_hashes:
+            raise _fail(
+                f"auth.keys[{i}].key_sha256",
+                f"the same key is also auth.keys[{seen_hashes[digest]}]",
+            )
+        seen_hashes[digest] = i
+        if not _NAME.fullmatch(key.tenant):
+            raise _fail(f"auth.keys[{i}].tenant", f"{key.tenant!r} is not a valid tenant name")
 
 
 def _apply_env(config: InfermuxConfig, env: Mapping[str, str]) -> InfermuxConfig:

@@ -1,10 +1,13 @@
 """Running the choices of a generation request and answering: one body or an SSE stream.
 
+First the request is admitted (gateway/rate_limit.py: per-key limits, then a global slot,
+possibly after waiting in the queue); the slot is held until the upstream work has ended.
 Errors before the first byte leave as ordinary HTTP errors (the router may have retried on
 other backends already). After the first byte of a stream an error becomes a
 ``data: {"error": ...}`` frame and the stream ends without ``[DONE]``. A client that goes
 away aborts the upstream work: streaming through Litestar's disconnect listener,
-non-streaming through :func:`_while_connected`.
+non-streaming through :func:`_while_connected`. The slot is freed as soon as the upstream
+work has stopped, before plugins hear how each choice ended.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from litestar.response import Stream
 
 from backends.base import GenerationChunk, GenerationRequest
 from backends.errors import GenerationAbortedError, InfermuxError
+from gateway.auth import api_key_of
 from gateway.choice_run import ChoiceRun
 from gateway.errors import error_frame, to_infermux_error
+from gateway.rate_limit import Grant
 from gateway.request_id import REQUEST_ID_HEADER
 from gateway.schemas import UsageInfo
 from gateway.sse import DONE_FRAME, SSE_HEADERS
@@ -64,26 +69,49 @@ async def respond(
 ) -> Response[Any]:
     """Open the choices through the router and answer with a body or a stream."""
     router = gateway.require_router()
+    api_key = api_key_of(request)
+    if api_key is not None:
+        requests = [
+            msgspec.structs.replace(r, tenant=api_key.tenant, api_key_id=api_key.id)
+            for r in requests
+        ]
     pinned = request.headers.get(BACKEND_HEADER) or None
+    grant = await _while_connected(request, gateway.admission.admit(api_key))
     if stream:
-        # Until the first chunk exists a disconnect is watched here; then by the Stream.
-        run = await _while_connected(
-            request,
-            ChoiceRun.open(
-                router=router, hooks=gateway.hooks, requests=requests, n=n, pinned_backend=pinned
-            ),
-        )
-        frames = _sse(run, output, request_id)
+        try:
+            # Until the first chunk exists a disconnect is watched here; then by the Stream.
+            run = await _while_connected(
+                request,
+                ChoiceRun.open(
+                    router=router,
+                    hooks=gateway.hooks,
+                    requests=requests,
+                    n=n,
+                    pinned_backend=pinned,
+                ),
+            )
+        except BaseException:
+            grant.release()
+            raise
+        frames = _sse(run, output, request_id, grant)
+
+        async def finish_stream() -> None:
+            # Runs after a disconnect too; closing a finished generator is a no-op, and a
+            # generator that never started still gets its run aborted and reported here.
+            await frames.aclose()
+            await _settle(run, grant)
+            await run.report()
+
         return Stream(
             frames,
             media_type="text/event-stream",
             headers={
                 **SSE_HEADERS,
+                **grant.headers,
                 BACKEND_HEADER: ", ".join(run.backend_names),
                 REQUEST_ID_HEADER: request_id,
             },
-            # Runs after a disconnect too; closing a finished generator is a no-op.
-            background=BackgroundTask(frames.aclose),
+            background=BackgroundTask(finish_stream),
         )
 
     async def collect() -> ChoiceRun:
@@ -94,27 +122,48 @@ async def respond(
             async for position, chunk in run.events():
                 output.add(position, chunk)
         except BaseException:
-            await run.aclose()
+            await _settle(run, grant)
+            await run.report()
             raise
         return run
 
-    run = await _while_connected(request, collect())
+    try:
+        run = await _while_connected(request, collect())
+    except BaseException:
+        grant.release()
+        raise
     try:
         body = msgspec.json.encode(output.body(run))
     except BaseException:
-        await run.aclose()
+        await _settle(run, grant)
+        await run.report()
         raise
+
+    async def finish() -> None:
+        await _settle(run, grant)
+        await run.report()
+
     return Response(
         content=body,
         media_type="application/json",
-        headers={BACKEND_HEADER: ", ".join(run.backend_names), REQUEST_ID_HEADER: request_id},
+        headers={
+            **grant.headers,
+            BACKEND_HEADER: ", ".join(run.backend_names),
+            REQUEST_ID_HEADER: request_id,
+        },
         # Plugins hear about the response after it was sent.
-        background=BackgroundTask(run.aclose),
+        background=BackgroundTask(finish),
     )
 
 
+async def _settle(run: ChoiceRun, grant: Grant) -> None:
+    """Stop the upstream work, then free the slot and charge the tokens (idempotent)."""
+    await run.abort()
+    grant.release(run.total_usage().total_tokens)
+
+
 async def _sse(
-    run: ChoiceRun, output: OutputBuilder, request_id: str
+    run: ChoiceRun, output: OutputBuilder, request_id: str, grant: Grant
 ) -> AsyncGenerator[bytes, None]:
     try:
         start = output.start_frames()
@@ -133,9 +182,11 @@ async def _sse(
     except Exception as exc:
         yield error_frame(to_infermux_error(exc, request_id))
     finally:
-        # Cancelled by a disconnect: the cancellation must not interrupt the abort.
+        # Cancelled by a disconnect: the cancellation must not interrupt the abort. The slot
+        # is freed before plugins are told, so a slow plugin cannot hold it.
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
-            await run.aclose()
+            await _settle(run, grant)
+            await run.report()
 
 
 async def _while_connected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:

@@ -16,6 +16,7 @@ import msgspec
 from backends.base import ChatMessage, GenerationRequest, SamplingParams
 from backends.errors import InvalidRequestError, UnsupportedParameterError
 from gateway.config import LimitsConfig
+from gateway.response_format import checked_response_format
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = [
@@ -66,6 +67,10 @@ def chat_generation_requests(
     _check_model(body.model)
     if body.tools:
         raise UnsupportedParameterError("tools are not supported by infermux yet", param="tools")
+    if len(body.messages) > limits.max_messages:
+        raise InvalidRequestError(
+            f"at most {limits.max_messages} messages are allowed per request", param="messages"
+        )
     messages = tuple(_chat_message(i, m) for i, m in enumerate(body.messages))
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -73,6 +78,11 @@ def chat_generation_requests(
     _check_top_logprobs(top_logprobs, limits, "top_logprobs")
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    _check_max_tokens(
+        max_tokens,
+        limits,
+        "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
     )
     params = _sampling_params(
         body,
@@ -92,7 +102,7 @@ def chat_generation_requests(
         params=params,
         stream=bool(body.stream),
         user=body.user,
-        response_format=_response_format(body.response_format),
+        response_format=checked_response_format(body.response_format, limits),
         traceparent=traceparent,
     )
     return _fan_out([template], n, request_id)
@@ -114,6 +124,7 @@ def completion_generation_requests(
     prompts = _prompts(body.prompt)
     echo = bool(body.echo)
     max_tokens = body.max_tokens if body.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
+    _check_max_tokens(max_tokens, limits, "max_tokens")
     if max_tokens == 0 and not echo:
         raise InvalidRequestError(
             "max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens"
@@ -239,6 +250,13 @@ def _choice_count(n: int | None, num_prompts: int, limits: LimitsConfig) -> int:
     return n
 
 
+def _check_max_tokens(max_tokens: int | None, limits: LimitsConfig, param: str) -> None:
+    if max_tokens is not None and max_tokens > limits.max_output_tokens:
+        raise InvalidRequestError(
+            f"{param} must be at most {limits.max_output_tokens} on this server", param=param
+        )
+
+
 def _check_top_logprobs(value: int, limits: LimitsConfig, param: str) -> None:
     if value > limits.max_top_logprobs:
         raise InvalidRequestError(f"{param} must be at most {limits.max_top_logprobs}", param=param)
@@ -268,12 +286,6 @@ def _stop(stop: str | list[str] | None, limits: LimitsConfig) -> tuple[str, ...]
                 param="stop",
             )
     return tuple(stops)
-
-
-def _response_format(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-    if not response_format or response_format.get("type") == "text":
-        return None
-    return response_format
 
 
 def _sampling_params(

@@ -6,7 +6,9 @@ For one request (one choice) the router
    a name that does not serve the alias is a 400 ``unknown_backend``),
 2. orders the candidates: the ``infermux_select_backend`` hook's answer first, then the
    alias's strategy (``priority``, ``round_robin``, ``least_outstanding``, or a plugin's),
-3. skips backends whose circuit is open (a half-open circuit lets one probe through),
+3. skips backends whose circuit is open (a half-open circuit lets one probe through) and
+   backends whose capabilities rule out a parameter of the request (none left: 400
+   ``unsupported_parameter``, see :mod:`gateway.capability_check`),
 4. opens ``backend.generate(request)`` and waits for the FIRST chunk, bounded by the
    backend's ``first_byte_timeout``. A retryable :class:`BackendError` there (connection
    refused, 5xx, 429, timeout) counts against the backend's circuit and the next candidate
@@ -41,8 +43,10 @@ from backends.errors import (
     InfermuxError,
     InvalidRequestError,
     ModelNotFoundError,
+    StreamIdleTimeoutError,
     UpstreamTimeoutError,
 )
+from gateway.capability_check import unsupported_parameter
 
 if TYPE_CHECKING:
     from gateway.config import ModelConfig
@@ -226,9 +230,15 @@ class ModelRouter:
         max_attempts = 1 + route.max_retries
         attempts: list[Attempt] = []
         last_error: InfermuxError | None = None
+        refusal: InfermuxError | None = None
         for name in ordered:
             if len(attempts) >= max_attempts:
                 break
+            # A backend that cannot honour a parameter is skipped, not failed.
+            unsupported = unsupported_parameter(self._backends[name].capabilities, request, name)
+            if unsupported is not None:
+                refusal = refusal or unsupported
+                continue
             circuit = self._circuits[name]
             if not circuit.try_acquire():
                 continue
@@ -236,6 +246,8 @@ class ModelRouter:
             if stream is not None:
                 return stream
             last_error = attempts[-1].error
+        if last_error is None and refusal is not None:
+            raise refusal  # no candidate can honour the request
         if last_error is None:
             # Nothing was tried: every candidate's circuit is open.
             wait = min(self._circuits[n].seconds_until_half_open() for n in ordered)
@@ -266,16 +278,41 @@ class ModelRouter:
         """Open ``name`` and wait for its first chunk; None after a retryable failure."""
         config = self._configs.get(name)
         timeout = config.first_byte_timeout if config is not None else None
+        attempt = len(attempts)
+        # Plugins (tracing) may give this try its own trace context for the backend.
+        traceparent = self._hooks.on_attempt_start(
+            request=request, backend_name=name, attempt=attempt
+        )
+        if traceparent is not None:
+            backend_request = msgspec.structs.replace(request, traceparent=traceparent)
+        else:
+            backend_request = request
         started = time.monotonic()
+        deadline = _earliest(
+            started + config.total_timeout
+            if config is not None and config.total_timeout is not None
+            else None,
+            request.deadline,
+        )
+        if deadline != backend_request.deadline:
+            # In-process backends check the deadline between tokens and prompt batches.
+            backend_request = msgspec.structs.replace(backend_request, deadline=deadline)
+        first_deadline = _earliest(started + timeout if timeout is not None else None, deadline)
         self._outstanding[name] += 1
-        stream = self._backends[name].generate(request)
+        stream = self._backends[name].generate(backend_request)
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(_loop_time(first_deadline)):
                 first = await anext(stream)
         except BaseException as exc:
             self._outstanding[name] -= 1
             await _close(stream)
             error = _as_error(name, exc, timeout)
+            self._hooks.on_attempt_end(
+                request=request,
+                backend_name=name,
+                attempt=attempt,
+                error=error if error is not None else GenerationAbortedError("cancelled"),
+            )
             if error is None:  # cancelled: the client left before an answer
                 circuit.release()
                 raise
@@ -298,12 +335,15 @@ class ModelRouter:
             raise error from exc
         circuit.record_success()
         attempts.append(Attempt(backend_name=name, error=None, duration_s=_since(started)))
+        self._hooks.on_attempt_end(request=request, backend_name=name, attempt=attempt, error=None)
         return RoutedStream(
             backend_name=name,
             attempts=attempts,
             first=first,
             stream=stream,
             on_done=self._on_stream_done,
+            idle_timeout=config.idle_timeout if config is not None else None,
+            deadline=deadline,
         )
 
     def _on_stream_done(self, name: str, error: InfermuxError | None) -> None:
@@ -318,7 +358,10 @@ class RoutedStream:
     """The chunks of one routed request; the first one was already fetched by the router.
 
     Iterate it once. ``aclose()`` aborts the upstream work (HTTP stream closed, generation
-    stopped). Errors after the first chunk are never retried.
+    stopped). Errors after the first chunk are never retried. The backend's idle timeout
+    (silence between chunks: ``StreamIdleTimeoutError``) and total deadline
+    (``UpstreamTimeoutError``) are enforced here for every kind of backend; the upstream
+    work is aborted when one passes.
     """
 
     def __init__(
@@ -329,12 +372,17 @@ class RoutedStream:
         first: GenerationChunk,
         stream: AsyncIterator[GenerationChunk],
         on_done: Callable[[str, InfermuxError | None], None],
+        idle_timeout: float | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.backend_name = backend_name
         self.attempts = attempts
         self._first: GenerationChunk | None = first
         self._stream = stream
         self._on_done: Callable[[str, InfermuxError | None], None] | None = on_done
+        self._idle_timeout = idle_timeout
+        #: ``time.monotonic()`` deadline of the whole stream (total timeout), or None.
+        self._deadline = deadline
 
     def __aiter__(self) -> RoutedStream:
         return self
@@ -346,8 +394,12 @@ class RoutedStream:
             return first
         if self._on_done is None:
             raise StopAsyncIteration
+        idle_deadline = (
+            time.monotonic() + self._idle_timeout if self._idle_timeout is not None else None
+        )
         try:
-            return await anext(self._stream)
+            async with asyncio.timeout_at(_loop_time(_earliest(idle_deadline, self._deadline))):
+                return await anext(self._stream)
         except StopAsyncIteration:
             self._finish(None)
             raise
@@ -357,6 +409,11 @@ class RoutedStream:
         except asyncio.CancelledError:
             self._finish(None)
             raise
+        except TimeoutError:
+            error = self._timeout_error()
+            self._finish(error)
+            await _close(self._stream)
+            raise error from None
         except Exception as exc:  # a backend broke its contract: still a typed error out
             error = BackendError(f"backend {self.backend_name!r} failed: {exc}")
             self._finish(error)
@@ -368,6 +425,16 @@ class RoutedStream:
         if self._on_done is not None:
             self._finish(None)
             await _close(self._stream)
+
+    def _timeout_error(self) -> InfermuxError:
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            return UpstreamTimeoutError(
+                f"backend {self.backend_name!r} did not finish within its total timeout"
+            )
+        return StreamIdleTimeoutError(
+            f"backend {self.backend_name!r} sent nothing for longer than its idle timeout "
+            f"({self._idle_timeout:g} s)"
+        )
 
     def _finish(self, error: InfermuxError | None) -> None:
         on_done, self._on_done = self._on_done, None
@@ -402,3 +469,15 @@ async def _close(stream: AsyncIterator[GenerationChunk]) -> None:
 
 def _since(started: float) -> float:
     return time.monotonic() - started
+
+
+def _earliest(*deadlines: float | None) -> float | None:
+    present = [d for d in deadlines if d is not None]
+    return min(present) if present else None
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """A ``time.monotonic()`` deadline in the running loop's clock (``asyncio.timeout_at``)."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())

@@ -23,7 +23,9 @@ from backends.base import (
     ModelInfo,
 )
 from backends.errors import BackendUnavailableError, ServerOverloadedError
+from gateway.auth import KeyStore
 from gateway.config import InfermuxConfig
+from gateway.rate_limit import Admission
 
 if TYPE_CHECKING:
     from gateway.router import ModelRouter
@@ -45,7 +47,11 @@ class FailedBackend:
         self.name = name
         self.kind = kind
         self.reason = reason
-        self.capabilities = Capabilities()
+        # Claims everything, so that requests reach it and fail over as "unavailable" rather
+        # than being refused as "unsupported".
+        self.capabilities = Capabilities(
+            logprobs=True, echo=True, structured_outputs=True, tools=True, max_top_logprobs=20
+        )
 
     async def start(self) -> None:
         """Nothing to start."""
@@ -92,6 +98,9 @@ class GatewayState:
         self.load_error: str | None = None
         #: Set on SIGTERM: /ready turns 503 and new generation requests are refused.
         self.draining = False
+        #: API keys (gateway/auth.py) and admission: per-key limits, global concurrency.
+        self.key_store = KeyStore(config.auth.keys)
+        self.admission = Admission(config.limits, config.auth.keys)
         self.started_at = int(time.time())
         self._load_task: asyncio.Task[None] | None = None
 

@@ -33,6 +33,7 @@ from gateway.config import (
     ServerConfig,
     config_from_dict,
 )
+from gateway.header_limit import uvicorn_h11_limit
 from gateway.state import GatewayState
 
 __all__ = ["LiveGateway", "gateway_config", "mock_backend", "run_gateway"]
@@ -94,7 +95,8 @@ class LiveGateway(str):
 
         kwargs.setdefault("max_retries", 0)
         kwargs.setdefault("timeout", 60.0)
-        return openai.OpenAI(base_url=self.openai_base_url, api_key="unused", **kwargs)
+        kwargs.setdefault("api_key", "unused")  # open mode (no [[auth.keys]]) ignores it
+        return openai.OpenAI(base_url=self.openai_base_url, **kwargs)
 
     def backend(self, name: str) -> Any:
         """The live backend object (e.g. a ``MockBackend`` with its counters)."""
@@ -127,7 +129,13 @@ def run_gateway(
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+            **uvicorn_h11_limit(config.limits.max_header_bytes),
+        )
     )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name=f"gateway-{port}", daemon=True

@@ -20,8 +20,12 @@ from backends.base import GenerationRequest
 from backends.errors import InfermuxError
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from backends.base import Backend, BackendConfig, Usage
     from gateway.config import InfermuxConfig
+    from plugins.request_summary import RequestSummary
+    from plugins.usage_report import UsageQuery, UsageReport
 
 __all__ = ["PluginHooks"]
 
@@ -93,14 +97,24 @@ class PluginHooks:
     # -- request path -------------------------------------------------------------------
 
     async def transform_request(self, *, request: GenerationRequest) -> GenerationRequest:
-        """Chain every ``infermux_transform_request``; an ``InfermuxError`` rejects."""
+        """Chain every ``infermux_transform_request``; an ``InfermuxError`` rejects.
+
+        Any other exception, or an async implementation running past ``hook_timeout_s``,
+        fails the request (a 500 quoting the request id): a broken policy is never skipped.
+        """
         impls = self.pm.hook.infermux_transform_request.get_hookimpls()
         if not impls:
             return request
         for impl in _registration_order(impls):
             result = impl.function(*_arguments(impl, {"request": request}))
             if inspect.isawaitable(result):
-                result = await result
+                try:
+                    result = await asyncio.wait_for(result, self.hook_timeout_s)
+                except TimeoutError:
+                    raise RuntimeError(
+                        f"plugin {impl.plugin_name!r}: infermux_transform_request did not "
+                        f"finish within {self.hook_timeout_s:g} s"
+                    ) from None
             if result is None:
                 continue
             if not isinstance(result, GenerationRequest):
@@ -144,6 +158,61 @@ class PluginHooks:
             {"request": request, "backend_name": backend_name, "error": error, "usage": usage},
         )
 
+    # -- request lifecycle (telemetry, accounting) ---------------------------------------
+
+    async def on_request_start(self, *, requests: Sequence[GenerationRequest]) -> None:
+        """Tell plugins an HTTP generation request starts (before ``transform_request``)."""
+        await self._notify("infermux_on_request_start", {"requests": list(requests)})
+
+    def on_attempt_start(
+        self, *, request: GenerationRequest, backend_name: str, attempt: int
+    ) -> str | None:
+        """Tell plugins a backend is tried; the first ``traceparent`` answered, or None."""
+        answers = self._notify_sync(
+            "infermux_on_attempt_start",
+            {"request": request, "backend_name": backend_name, "attempt": attempt},
+        )
+        return next((a for a in answers if isinstance(a, str) and a), None)
+
+    def on_attempt_end(
+        self,
+        *,
+        request: GenerationRequest,
+        backend_name: str,
+        attempt: int,
+        error: InfermuxError | None,
+    ) -> None:
+        """Tell plugins a try ended: first chunk (``error`` None) or failure."""
+        self._notify_sync(
+            "infermux_on_attempt_end",
+            {"request": request, "backend_name": backend_name, "attempt": attempt, "error": error},
+        )
+
+    async def on_request_end(self, *, summary: RequestSummary) -> None:
+        """Tell plugins the request ended; awaited before the response's final bytes."""
+        await self._notify("infermux_on_request_end", {"summary": summary})
+
+    # -- observability and accounting endpoints -----------------------------------------
+
+    def register_metrics(
+        self, *, registry: CollectorRegistry, backends: Mapping[str, Backend]
+    ) -> None:
+        """Let every plugin add its metrics to the app's Prometheus registry."""
+        self._notify_sync("infermux_register_metrics", {"registry": registry, "backends": backends})
+
+    async def query_usage(self, *, query: UsageQuery) -> UsageReport | None:
+        """The first plugin answer to a usage query, or None (no accounting plugin)."""
+        impls = self.pm.hook.infermux_query_usage.get_hookimpls()
+        for impl in reversed(impls):  # pluggy's call order
+            if impl.wrapper or impl.hookwrapper:
+                continue
+            result = impl.function(*_arguments(impl, {"query": query}))
+            if inspect.isawaitable(result):
+                result = await result
+            if result is not None:
+                return result  # type: ignore[no-any-return]
+        return None
+
     # -- lifecycle ----------------------------------------------------------------------
 
     async def startup(self, *, config: InfermuxConfig) -> None:
@@ -177,6 +246,28 @@ class PluginHooks:
                 )
             except Exception:
                 logger.exception("plugin %r: %s raised; ignored", impl.plugin_name, hook_name)
+
+
+    def _notify_sync(self, hook_name: str, kwargs: Mapping[str, Any]) -> list[Any]:
+        """Call a synchronous hook's implementations in pluggy's order, each isolated."""
+        answers: list[Any] = []
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        for impl in reversed(impls):
+            if impl.wrapper or impl.hookwrapper:
+                continue
+            try:
+                result = impl.function(*_arguments(impl, kwargs))
+            except Exception:
+                logger.exception("plugin %r: %s raised; ignored", impl.plugin_name, hook_name)
+                continue
+            if inspect.iscoroutine(result):
+                result.close()
+                logger.warning(
+                    "plugin %r: %s must be synchronous; ignored", impl.plugin_name, hook_name
+                )
+                continue
+            answers.append(result)
+        return answers
 
 
 def _arguments(impl: pluggy.HookImpl, kwargs: Mapping[str, Any]) -> list[Any]:

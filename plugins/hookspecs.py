@@ -19,15 +19,19 @@ published under the entry-point group ``infermux`` (``[project.entry-points.infe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from backends.base import Backend, BackendConfig, GenerationRequest, Usage
     from backends.errors import InfermuxError
     from gateway.config import InfermuxConfig
+    from plugins.request_summary import RequestSummary
+    from plugins.usage_report import UsageQuery, UsageReport
 
 __all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
 
@@ -129,4 +133,106 @@ def infermux_shutdown() -> None:
     """The gateway is stopping, after backends were closed (async-capable).
 
     Flush buffers, close clients. Exceptions and timeouts are logged. Return value ignored.
+    """
+
+
+# -- request lifecycle (telemetry, accounting) --------------------------------------------
+
+
+@hookspec
+def infermux_on_request_start(requests: Sequence[GenerationRequest]) -> None:
+    """An HTTP generation request starts (async-capable).
+
+    Called once per ``POST /v1/chat/completions`` or ``/v1/completions`` that passed wire
+    validation, before ``infermux_transform_request``, with one ``GenerationRequest`` per
+    choice as converted from the wire (they share ``request_id``; ``choice_index`` and the
+    seed differ). Every call is matched by exactly one ``infermux_on_request_end`` with the
+    same ``request_id``, whatever happens next (rejection, routing failure, disconnect), so a
+    plugin may keep per-request state between the two. Exceptions and timeouts are logged
+    and never affect the request. Return value ignored.
+    """
+
+
+@hookspec
+def infermux_on_attempt_start(
+    request: GenerationRequest, backend_name: str, attempt: int
+) -> str | None:
+    """The router is about to call ``backend.generate`` for one try (synchronous).
+
+    Called for every attempt of every choice, including retries on other backends:
+    ``attempt`` counts the tries of this choice from 0, ``request`` is the choice after
+    ``transform_request``. Return a W3C ``traceparent`` header value to send to this backend
+    instead of ``request.traceparent`` (the built-in tracing plugin returns the context of
+    its attempt span, so a remote backend's spans nest under it), or ``None``. The first
+    non-``None`` string wins. Must be fast and must not block: it runs on the request path.
+    An ``async`` implementation, or one that raises, is logged and ignored.
+    """
+
+
+@hookspec
+def infermux_on_attempt_end(
+    request: GenerationRequest,
+    backend_name: str,
+    attempt: int,
+    error: InfermuxError | None,
+) -> None:
+    """One try of a backend ended (synchronous).
+
+    Called once for each ``infermux_on_attempt_start``, by the router: ``error`` is
+    ``None`` when the backend produced its first chunk (the choice is now committed to this
+    backend and streams from it: a time-to-first-token moment), else the error of the try
+    (the router may go on to the next backend; a ``GenerationAbortedError`` when the client
+    went away meanwhile). The end of the committed stream is reported later through
+    ``infermux_on_response`` / ``infermux_on_error``. Must be fast and must not block; an
+    ``async`` implementation or one that raises is logged and ignored. Return value ignored.
+    """
+
+
+@hookspec
+def infermux_on_request_end(summary: RequestSummary) -> None:
+    """An HTTP generation request ended; its final bytes are about to be sent (async-capable).
+
+    Called exactly once per ``infermux_on_request_start``, after every choice got its
+    ``infermux_on_response`` / ``infermux_on_error``, with a
+    :class:`~plugins.request_summary.RequestSummary` (status, per-choice outcomes and usage,
+    timings, engine phases). The gateway awaits every implementation *before* it sends
+    ``data: [DONE]``, the JSON body or the SSE error frame, so a plugin that must make a
+    record durable before the client sees the end (the built-in cost ledger) awaits its
+    commit here; keep it short, it is bounded by ``[plugins] hook_timeout_s``. Requests
+    rejected before the router (``transform_request`` raised) or refused by it also end
+    here (with no attempt before). Plugins may put facts into ``summary.attributes`` for
+    the plugins called after them (``tryfirst`` runs first). Exceptions and timeouts are
+    logged and never affect the response. Return value ignored.
+    """
+
+
+# -- observability and accounting endpoints ----------------------------------------------
+
+
+@hookspec
+def infermux_register_metrics(
+    registry: CollectorRegistry, backends: Mapping[str, Backend]
+) -> None:
+    """Add Prometheus metrics to the app's registry (``GET /metrics``).
+
+    Called once when the app is created, with the app's own
+    ``prometheus_client.CollectorRegistry`` (never the process-global one: several apps may
+    live in one process) and the live ``backend name -> Backend`` mapping, which a custom
+    collector may read at scrape time (the built-in metrics plugin calls a backend's optional
+    ``stats() -> dict`` there). Create instruments with ``registry=registry`` or call
+    ``registry.register(collector)``; a name registered twice raises and the plugin is
+    reported. Return value ignored.
+    """
+
+
+@hookspec(firstresult=True)
+def infermux_query_usage(query: UsageQuery) -> UsageReport | None:
+    """Answer ``GET /v1/usage`` from a plugin's usage records (async-capable).
+
+    Called for every usage query with a :class:`~plugins.usage_report.UsageQuery` (filters:
+    API key id, tenant, model, time window). Return a
+    :class:`~plugins.usage_report.UsageReport` (totals and per-day rows), or ``None`` to let
+    the next plugin answer; the built-in cost ledger answers last (``trylast``), so an
+    accounting plugin of your own can take over. With no answer at all the endpoint says
+    404 (accounting disabled). An ``InfermuxError`` raised here reaches the client.
     """

@@ -37,10 +37,15 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "infermux"
 
 #: Built-in plugins: (registered name, module). Ordinary hookimpl modules, marked ``trylast``
-#: where a plugin should be able to override them.
+#: where a plugin should be able to override them. A module that keeps per-app state
+#: (telemetry, accounting) exposes ``create_plugin()``: each plugin manager registers a fresh
+#: object from it instead of the module, so several apps can live in one process.
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("builtin.backend_kinds", "plugins.builtin.backend_kinds"),
     ("builtin.routing", "plugins.builtin.routing"),
+    ("builtin.cost", "plugins.builtin.cost"),
+    ("builtin.metrics", "plugins.builtin.metrics"),
+    ("builtin.tracing", "plugins.builtin.tracing"),
 )
 
 PluginStatus = Literal["loaded", "failed", "disabled"]
@@ -131,10 +136,12 @@ def create_plugin_manager(
             continue
         try:
             module = importlib.import_module(module_name)
+            factory = getattr(module, "create_plugin", None)
+            plugin = factory() if callable(factory) else module
         except Exception as exc:  # a broken plugin must not take the gateway down
             _report_failure(pm, PluginRecord(name=name, source="builtin"), exc)
             continue
-        _register(pm, module, PluginRecord(name=name, source="builtin"))
+        _register(pm, plugin, PluginRecord(name=name, source="builtin"))
 
     if load_entry_points:
         for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):

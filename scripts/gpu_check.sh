@@ -34,7 +34,7 @@ export INFERMUX_TEST_DEVICE=cuda
 BENCH_ARGS=(--device cuda)
 if [ "$DRY_RUN" -eq 1 ]; then
     export INFERMUX_TEST_DEVICE=cpu TRITON_INTERPRET=1
-    BENCH_ARGS=(--device cpu --quick --no-engine)
+    BENCH_ARGS=(--device cpu --quick --no-engine --iters 1)
 fi
 # Keep Triton 3.9's current default explicitly (silences its deprecation warning).
 export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}

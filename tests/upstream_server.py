@@ -79,6 +79,8 @@ class Behaviour:
     #: Reported as ``usage.prompt_tokens_details.cached_tokens`` (None: field omitted).
     cached_tokens: int | None = None
     model: str = "upstream-model"
+    #: Close the connection after answering (as a server whose keep-alive expired does).
+    close_after_response: bool = False
 
 
 @dataclass
@@ -115,6 +117,8 @@ class UpstreamServer:
         self._script: collections.deque[Behaviour] = collections.deque()
         self.requests: list[ReceivedRequest] = []
         self.num_disconnects = 0
+        #: TCP connections accepted (keep-alive reuse shows as fewer connections than requests).
+        self.num_connections = 0
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
@@ -216,6 +220,7 @@ class UpstreamServer:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        self.num_connections += 1
         try:
             while True:
                 request = await _read_request(reader)
@@ -248,6 +253,16 @@ class UpstreamServer:
             request.outcome = "error"
             return True
         behaviour = self._next_behaviour()
+        keep_open = await self._answer(request, reader, writer, behaviour)
+        return keep_open and not behaviour.close_after_response
+
+    async def _answer(
+        self,
+        request: ReceivedRequest,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        behaviour: Behaviour,
+    ) -> bool:
         payload = request.json or {}
         if behaviour.mode == "close_without_response":
             request.outcome = "dropped"

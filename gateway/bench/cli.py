@@ -15,10 +15,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.bench.client import Target
-from gateway.bench.config import BenchConfig
+from gateway.bench.config import BenchConfig, Target, parse_prices, parse_slo
 from gateway.bench.errors import BenchConfigError, BenchError
-from gateway.bench.metrics import parse_prices, parse_slo
 from gateway.bench.workload import WORKLOAD_NAMES, WorkloadSpec
 
 __all__ = ["add_arguments", "add_parser", "config_from_args", "main", "run"]
@@ -259,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
     except BenchError as exc:
         print(f"infermux bench: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("infermux bench: interrupted", file=sys.stderr)
+        return 130
     print(format_report(result))
     if args.json:
         print(f"wrote {write_json(result, args.json)}")

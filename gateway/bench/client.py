@@ -23,19 +23,10 @@ from typing import Any
 import httpx
 import msgspec
 
+from gateway.bench.config import Target
 from gateway.bench.workload import BenchPrompt
 
-__all__ = ["BenchClient", "RequestRecord", "Target", "endpoint_url"]
-
-
-class Target(msgspec.Struct, kw_only=True, frozen=True):
-    """One endpoint under test."""
-
-    label: str  # "A", or "B" for the --compare endpoint
-    url: str  # base URL (http://host:port or .../v1) or a full .../completions URL
-    model: str | None = None  # None: the first id listed by GET /v1/models
-    api_key: str | None = None
-    headers: dict[str, str] = {}
+__all__ = ["BenchClient", "RequestRecord", "endpoint_url"]
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):
@@ -192,6 +183,7 @@ class BenchClient:
         itl: list[float] = []
         usage: dict[str, Any] | None = None
         num_chars = 0
+        is_done = False
         try:
             async with self._client.stream("POST", self.url, json=body) as response:
                 record.status_code = response.status_code
@@ -203,6 +195,7 @@ class BenchClient:
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        is_done = True
                         break
                     chunk = msgspec.json.decode(data)
                     if not isinstance(chunk, dict):
@@ -225,13 +218,19 @@ class BenchClient:
                     last = now
                     record.num_chunks += 1
                     num_chars += len(text)
+                # The end of the answer, before closing the connection.
+                end = time.perf_counter()
         except httpx.HTTPError as exc:
             record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         except msgspec.DecodeError as exc:
             record.error = f"malformed SSE data: {exc}"
-        end = time.perf_counter()
         record.output_chars = num_chars
         if record.error is not None:
+            return record
+        if not is_done:
+            # OpenAI-compatible servers end every complete stream with [DONE]; without it the
+            # answer was cut off (server crash, proxy timeout).
+            record.error = "the stream ended without [DONE]"
             return record
         if first is None:
             record.error = "the stream carried no content"

@@ -18,120 +18,15 @@
 
 from __future__ import annotations
 
-import re
-
 import msgspec
 import numpy as np
 
 from gateway.bench.client import RequestRecord
-from gateway.bench.errors import BenchConfigError
+from gateway.bench.config import Prices, Slo
 
-__all__ = ["Prices", "RunSummary", "Slo", "Stats", "parse_prices", "parse_slo", "summarise"]
+__all__ = ["RunSummary", "Stats", "summarise"]
 
 PERCENTILES = (50, 90, 95, 99)
-
-
-class Slo(msgspec.Struct, kw_only=True, frozen=True):
-    """Latency targets a request must meet to count towards goodput (milliseconds)."""
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    itl_ms: float | None = None  # the request's largest inter-token gap
-    e2e_ms: float | None = None
-
-    @property
-    def is_empty(self) -> bool:
-        return all(v is None for v in (self.ttft_ms, self.tpot_ms, self.itl_ms, self.e2e_ms))
-
-    def describe(self) -> str:
-        parts = [
-            f"{name}<={value:g}ms"
-            for name, value in (
-                ("ttft", self.ttft_ms),
-                ("tpot", self.tpot_ms),
-                ("itl", self.itl_ms),
-                ("e2e", self.e2e_ms),
-            )
-            if value is not None
-        ]
-        return ",".join(parts)
-
-    def is_met_by(self, record: RequestRecord) -> bool:
-        checks = (
-            (self.ttft_ms, record.ttft_ms),
-            (self.tpot_ms, record.tpot_ms),
-            (self.itl_ms, max(record.itl_ms) if record.itl_ms else None),
-            (self.e2e_ms, record.e2e_ms),
-        )
-        # A request with one output token has no TPOT or ITL: nothing to miss there.
-        return all(limit is None or value is None or value <= limit for limit, value in checks)
-
-
-class Prices(msgspec.Struct, kw_only=True, frozen=True):
-    """Prices per 1M tokens."""
-
-    input: float
-    output: float
-    cached: float | None = None  # None: the input price
-
-
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|us)?\s*$")
-_SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2e": "e2e_ms"}
-_SLO_ALIASES = {"e2el": "e2e"}
-_UNIT_MS = {"ms": 1.0, "s": 1e3, "us": 1e-3, None: 1.0}
-
-
-def _pairs(text: str, param: str) -> list[tuple[str, str]]:
-    pairs = []
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise BenchConfigError(f"expected KEY=VALUE, got {item.strip()!r}", param=param)
-        pairs.append((key.strip().lower(), value.strip()))
-    return pairs
-
-
-def parse_slo(text: str | None) -> Slo:
-    """``ttft=500ms,tpot=50ms`` -> Slo; raises BenchConfigError naming ``--slo``."""
-    if not text:
-        return Slo()
-    values: dict[str, float] = {}
-    for key, value in _pairs(text, "--slo"):
-        key = _SLO_ALIASES.get(key, key)
-        if key not in _SLO_KEYS:
-            raise BenchConfigError(
-                f"unknown SLO {key!r}; use {', '.join(_SLO_KEYS)}", param="--slo"
-            )
-        match = _DURATION.match(value)
-        if match is None:
-            raise BenchConfigError(
-                f"{key}: expected a duration such as 500ms or 0.5s, got {value!r}", param="--slo"
-            )
-        values[_SLO_KEYS[key]] = float(match.group(1)) * _UNIT_MS[match.group(2)]
-    return Slo(**values)
-
-
-def parse_prices(text: str | None) -> Prices | None:
-    """``input=0.15,output=0.6,cached=0.075`` (per 1M tokens) -> Prices."""
-    if not text:
-        return None
-    values: dict[str, float] = {}
-    for key, value in _pairs(text, "--price"):
-        if key not in ("input", "output", "cached"):
-            raise BenchConfigError(
-                f"unknown price {key!r}; use input, output, cached", param="--price"
-            )
-        try:
-            values[key] = float(value)
-        except ValueError as exc:
-            raise BenchConfigError(f"{key}: not a number: {value!r}", param="--price") from exc
-        if values[key] < 0:
-            raise BenchConfigError(f"{key}: must not be negative", param="--price")
-    if "input" not in values or "output" not in values:
-        raise BenchConfigError("give at least input=... and output=...", param="--price")
-    return Prices(**values)
 
 
 class Stats(msgspec.Struct, kw_only=True, frozen=True):

@@ -124,13 +124,15 @@ def _throughput_vs_rate(plt: Any, result: BenchResult, directory: Path, rates: l
 
 def _latency_vs_rate(plt: Any, result: BenchResult, directory: Path, rates: list[float]) -> Path:
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for target in result.config.targets:
+    for number, target in enumerate(result.config.targets):
         label = target.label
+        color = f"C{number}"  # one colour per endpoint; the line style tells the percentile
         for name, style in (("p50", "-"), ("p99", "--")):
             left.plot(
                 rates,
                 _series(result, label, rates, lambda s, n=name: getattr(s.ttft_ms, n)),
                 style,
+                color=color,
                 marker="o",
                 label=f"{label} {name}",
             )
@@ -138,6 +140,7 @@ def _latency_vs_rate(plt: Any, result: BenchResult, directory: Path, rates: list
                 rates,
                 _series(result, label, rates, lambda s, n=name: getattr(s.tpot_ms, n)),
                 style,
+                color=color,
                 marker="o",
                 label=f"{label} {name}",
             )
@@ -153,17 +156,19 @@ def _latency_vs_rate(plt: Any, result: BenchResult, directory: Path, rates: list
 
 def _goodput_vs_rate(plt: Any, result: BenchResult, directory: Path, rates: list[float]) -> Path:
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for target in result.config.targets:
+    for number, target in enumerate(result.config.targets):
         label = target.label
         axis.plot(
             rates,
             _series(result, label, rates, lambda s: s.goodput),
+            color=f"C{number}",
             marker="o",
             label=f"{label} goodput",
         )
         axis.plot(
             rates,
             _series(result, label, rates, lambda s: s.request_throughput),
+            color=f"C{number}",
             linestyle="--",
             label=f"{label} throughput",
         )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.bench.client import Target
+from gateway.bench.config import Target
 from gateway.bench.metrics import RunSummary, Stats
 from gateway.bench.runner import BenchResult, RunResult
 

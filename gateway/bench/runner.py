@@ -33,7 +33,7 @@ from gateway.bench.workload import (
 
 __all__ = ["BenchResult", "Calibration", "RunResult", "calibrate", "run_benchmark"]
 
-_CALIBRATION_WORDS = (40, 240)
+_CALIBRATION_WORDS = (24, 152)  # short, to keep the probes cheap on slow servers
 
 
 class Calibration(msgspec.Struct, kw_only=True, frozen=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from gateway.app import create_app
+    from gateway.auth import check_exposure
     from gateway.config import ConfigError, load_config
+    from gateway.drain import DrainingServer
+    from gateway.header_limit import uvicorn_h11_limit
 
     logging.basicConfig(level=args.log_level.upper(), format=_LOG_FORMAT)
     try:
@@ -63,13 +67,15 @@ def run(args: argparse.Namespace) -> int:
         if args.port is not None:
             server_config = msgspec.structs.replace(server_config, port=args.port)
         config = msgspec.structs.replace(config, server=server_config)
+        check_exposure(config)
         app = create_app(config)
     except ConfigError as exc:
         where = f" in {args.config}" if args.config is not None else ""
         print(f"infermux: config error{where}: {exc}", file=sys.stderr)
         return 2
 
-    server = _DrainingServer(
+    cleanup_timeout_s = config.plugins.hook_timeout_s + 1.0
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=config.server.host,
@@ -77,9 +83,13 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             access_log=not args.no_access_log,
             lifespan="on",
-            timeout_graceful_shutdown=int(config.server.drain_timeout_s),
+            # The drain (gateway/drain.py) has already waited for generation requests.
+            timeout_graceful_shutdown=math.ceil(cleanup_timeout_s),
+            **uvicorn_h11_limit(config.limits.max_header_bytes),
         ),
         gateway=app.state.gateway,
+        drain_timeout_s=config.server.drain_timeout_s,
+        cleanup_timeout_s=cleanup_timeout_s,
     )
     logging.getLogger("gateway").info(
         "infermux on http://%s:%d (models: %s)",
@@ -99,21 +109,3 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port out of range 0-65535: {port}")
     return port
-
-
-class _DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT readiness turns 503 at once, then uvicorn drains in-flight requests
-    (up to ``drain_timeout_s``); the process then exits 0 instead of re-raising the signal."""
-
-    def __init__(self, config: uvicorn.Config, *, gateway: Any) -> None:
-        super().__init__(config)
-        self._gateway = gateway
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        self._gateway.draining = True
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises captured signals after shutdown (exit 128+sig); a drained
-        # shutdown is a clean one.
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list):
-            captured.clear()

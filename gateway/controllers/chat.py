@@ -9,9 +9,10 @@ from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
+from gateway.body_check import check_raw_body
 from gateway.chat_output import ChatOutput
 from gateway.generation_response import respond
-from gateway.request_conversion import chat_generation_requests, check_smuggled_fields
+from gateway.request_conversion import chat_generation_requests
 from gateway.request_id import request_id_of
 from gateway.schemas import ChatCompletion, ChatCompletionRequest
 from gateway.state import GatewayState
@@ -39,7 +40,7 @@ class ChatController(Controller):
         gateway: NamedDependency[GatewayState],
     ) -> Response[ChatCompletion]:
         request_id = request_id_of(request)
-        check_smuggled_fields(await request.json())
+        check_raw_body(await request.body())
         requests = chat_generation_requests(
             data,
             request_id=request_id,

@@ -9,9 +9,10 @@ from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
+from gateway.body_check import check_raw_body
 from gateway.completion_output import CompletionOutput
 from gateway.generation_response import respond
-from gateway.request_conversion import check_smuggled_fields, completion_generation_requests
+from gateway.request_conversion import completion_generation_requests
 from gateway.request_id import request_id_of
 from gateway.schemas import Completion, CompletionRequest
 from gateway.state import GatewayState
@@ -39,7 +40,7 @@ class CompletionController(Controller):
         gateway: NamedDependency[GatewayState],
     ) -> Response[Completion]:
         request_id = request_id_of(request)
-        check_smuggled_fields(await request.json())
+        check_raw_body(await request.body())
         requests = completion_generation_requests(
             data,
             request_id=request_id,

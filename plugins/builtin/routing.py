@@ -73,7 +73,9 @@ class LeastOutstandingStrategy:
 
 
 @hookimpl(trylast=True)
-def infermux_register_routing_strategies(register: Callable[[str, Callable[[], Any]], None]) -> None:
+def infermux_register_routing_strategies(
+    register: Callable[[str, Callable[[], Any]], None],
+) -> None:
     """Register ``priority``, ``round_robin`` and ``least_outstanding``."""
     register("priority", PriorityStrategy)
     register("round_robin", RoundRobinStrategy)

@@ -9,7 +9,13 @@ import pytest
 import pytest_asyncio
 
 from backends._option import BackendOptionError
-from backends.base import BackendConfig, ChatMessage, GenerationChunk, GenerationRequest, SamplingParams
+from backends.base import (
+    BackendConfig,
+    ChatMessage,
+    GenerationChunk,
+    GenerationRequest,
+    SamplingParams,
+)
 from backends.core_engine import CoreEngineBackend, create_backend
 from backends.errors import ContextLengthExceededError, InvalidRequestError
 

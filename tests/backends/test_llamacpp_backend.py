@@ -15,7 +15,7 @@ from backends.base import (
     GenerationRequest,
     SamplingParams,
 )
-from backends.errors import ContextLengthExceededError
+from backends.errors import ContextLengthExceededError, GenerationAbortedError
 from backends.llamacpp import LlamaCppBackend, create_backend
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -215,6 +215,22 @@ async def test_concurrent_requests_are_served_one_after_the_other(backend: Llama
     alone = await _collect(backend, requests[1])
     assert all(r[-1].finish_reason in ("stop", "length") for r in results)
     assert _text(results[1]) == _text(alone)
+
+
+async def test_closing_the_backend_aborts_open_streams() -> None:
+    llama = create_backend(BackendConfig(name="own", kind="llamacpp", options={"n_threads": 1}))
+    await llama.start()
+    running = llama.generate(_chat("Tell a long story.", max_tokens=400, ignore_eos=True))
+    queued = llama.generate(_chat("And another one.", max_tokens=400, ignore_eos=True))
+    await anext(running)
+    waiting = asyncio.ensure_future(anext(queued))
+    await asyncio.sleep(0)  # submitted: it waits behind the running one
+    await llama.aclose()
+    with pytest.raises(GenerationAbortedError):
+        async for _ in running:
+            pass
+    with pytest.raises(GenerationAbortedError):
+        await waiting
 
 
 def _is_utf8(data: bytes) -> bool:

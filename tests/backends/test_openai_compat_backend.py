@@ -59,9 +59,14 @@ async def _collect(
         await backend.aclose()
 
 
-async def test_streams_chunk_by_chunk_with_usage(upstream_servers: StartUpstream) -> None:
+@pytest.mark.parametrize("transport", ["native", "httpx"])
+async def test_streams_chunk_by_chunk_with_usage(
+    upstream_servers: StartUpstream, transport: str
+) -> None:
     upstream = upstream_servers(Behaviour(cached_tokens=2))
-    backend = _backend(upstream.base_url, options={"model": "upstream-name"})
+    backend = _backend(
+        upstream.base_url, options={"model": "upstream-name", "http_transport": transport}
+    )
     chunks = await _collect(backend, _chat(max_tokens=50))
     assert [c.text for c in chunks[:-1]] == ["hello", " from", " the", " test"]
     assert chunks[-1].finish_reason == "stop"
@@ -74,6 +79,24 @@ async def test_streams_chunk_by_chunk_with_usage(upstream_servers: StartUpstream
     assert sent.json["model"] == "upstream-name"
     assert sent.json["max_tokens"] == 50
     assert sent.headers["traceparent"] == _chat().traceparent
+
+
+async def test_connections_are_kept_alive_and_stale_ones_replaced(
+    upstream_servers: StartUpstream,
+) -> None:
+    upstream = upstream_servers()
+    backend = _backend(upstream.base_url)
+    for _ in range(3):
+        chunks = [c async for c in backend.generate(_chat())]
+        assert chunks[-1].finish_reason == "stop"
+    assert upstream.num_connections == 1  # one connection served all three
+    # The upstream drops idle connections from now on; every request must still succeed.
+    upstream.behaviour = Behaviour(close_after_response=True)
+    for _ in range(3):
+        chunks = [c async for c in backend.generate(_chat())]
+        assert chunks[-1].finish_reason == "stop"
+    await backend.aclose()
+    assert upstream.num_requests == 6
 
 
 async def test_logprobs_pass_through(upstream_servers: StartUpstream) -> None:

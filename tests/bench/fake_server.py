@@ -36,6 +36,10 @@ class Behaviour:
     slow_ttft_s: float = 0.6
     fail_every: int | None = None  # every k-th streamed request answers HTTP 500
     report_usage: bool = True
+    # Mid-stream faults after this many tokens: an SSE error frame, or the end of the body
+    # without [DONE] (a crashed server), on every request.
+    error_frame_after: int | None = None
+    truncate_after: int | None = None
     tokenize: Callable[[str], int] = word_tokens
     overhead_per_message: int = 3  # stand-in chat template tokens
     model: str = "fake-model"
@@ -130,6 +134,13 @@ class FakeOpenAI:
         if chat:
             await event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
         for index in range(num_tokens):
+            if index == b.error_frame_after:
+                await event({"error": {"message": "injected mid-stream failure"}})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            if index == b.truncate_after:
+                await send({"type": "http.response.body", "body": b""})
+                return
             delay = start + ttft + index * b.gap_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -125,6 +125,8 @@ def test_infermux_bench_subcommand_with_compare_and_headers(
         (["--concurrency", "0"], "concurrency"),
         (["--extra-body", "[1]"], "--extra-body"),
         (["--tokens-per-word", "many"], "--tokens-per-word"),
+        (["--workload", "no/such/file.jsonl"], "workload"),
+        (["--workload", "shared-prefix", "--prefix-len", "999"], "prefix_len"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(

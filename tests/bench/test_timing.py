@@ -112,6 +112,30 @@ async def test_failures_are_counted_and_kept_out_of_the_latencies(
     assert summary.ttft_ms.count == 6
 
 
+@pytest.mark.parametrize(
+    ("behaviour", "error"),
+    [
+        (
+            Behaviour(ttft_s=0.0, gap_s=0.0, error_frame_after=2),
+            "stream error: injected mid-stream failure",
+        ),
+        (Behaviour(ttft_s=0.0, gap_s=0.0, truncate_after=2), "the stream ended without [DONE]"),
+    ],
+)
+async def test_streams_that_break_mid_way_are_failures(
+    fake_server: Callable[[Behaviour], str], behaviour: Behaviour, error: str
+) -> None:
+    url = fake_server(behaviour)
+    result = await run_benchmark(
+        bench_config(
+            url, workload=WorkloadSpec(name="fixed", num_requests=2, input_len=16, output_len=5)
+        )
+    )
+    summary = result.runs[0].summary
+    assert (summary.num_completed, summary.num_failed) == (0, 2)
+    assert summary.errors == {error: 2}
+
+
 async def test_without_usage_output_tokens_come_from_chunks(
     fake_server: Callable[[Behaviour], str],
 ) -> None:

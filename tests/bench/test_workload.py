@@ -13,7 +13,8 @@ import pytest
 
 from backends.default_model import default_model_path
 from gateway.bench import BenchConfigError, WorkloadSpec, build_workload, run_benchmark
-from gateway.bench.client import BenchClient, Target
+from gateway.bench.client import BenchClient
+from gateway.bench.config import Target
 from gateway.bench.load import arrival_offsets
 from gateway.bench.runner import Calibration, calibrate
 

@@ -21,7 +21,13 @@ from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE
 from core_engine.tokenizer.byte_level import BYTE_TO_CHAR, encode_bytes
 from core_engine.tokenizer.pre_tokenizer import PreTokenizer
 
-__all__ = ["SPECIAL_TOKENS", "TinyLlamaSpec", "build_tiny_vocab", "write_llama_gguf"]
+__all__ = [
+    "SPECIAL_TOKENS",
+    "TinyLlamaSpec",
+    "build_tiny_vocab",
+    "write_dequantized_f32_copy",
+    "write_llama_gguf",
+]
 
 #: Control tokens at ids 0, 1, 2 (eos = <|im_end|>, bos = <|endoftext|>).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -51,7 +57,11 @@ class TinyLlamaSpec:
     tie_embeddings: bool = False
     num_merges: int = 160
     pre: str = "smollm"
-    add_bos: bool = True
+    #: ``None`` leaves ``tokenizer.ggml.add_bos_token`` out (llama.cpp's per-pre default applies).
+    add_bos: bool | None = True
+    #: ``(kind, factor)`` written as ``llama.rope.scaling.type`` / ``.factor``.
+    rope_scaling: tuple[str, float] | None = None
+    architecture: str = "llama"
     seed: int = 0
 
 
@@ -103,12 +113,13 @@ def write_llama_gguf(
     *,
     weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
     spec: TinyLlamaSpec | None = None,
+    omit: frozenset[str] = frozenset(),
 ) -> Path:
     """Write a random-weight Llama GGUF to ``path`` and return the path.
 
     Matrices (including the token embedding) use ``weight_type``; norms stay F32, as in
     llama.cpp's quantised files. q/k weights are random, so their llama.cpp row order needs no
-    permutation here.
+    permutation here. Tensors named in ``omit`` are left out (to test loader errors).
     """
     spec = spec or TinyLlamaSpec()
     path = Path(path)
@@ -118,7 +129,7 @@ def write_llama_gguf(
     head_dim = spec.hidden_size // spec.num_heads
     hidden, inter = spec.hidden_size, spec.intermediate_size
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), spec.architecture)
     writer.add_name("tiny-random-llama")
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(hidden)
@@ -129,6 +140,9 @@ def write_llama_gguf(
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
+    if spec.rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(spec.rope_scaling[0]))
+        writer.add_rope_scaling_factor(spec.rope_scaling[1])
     writer.add_vocab_size(vocab)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(spec.pre)
@@ -137,7 +151,8 @@ def write_llama_gguf(
     writer.add_token_merges(merges)
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(2)
-    writer.add_add_bos_token(spec.add_bos)
+    if spec.add_bos is not None:
+        writer.add_add_bos_token(spec.add_bos)
     writer.add_chat_template(FALLBACK_CHATML_TEMPLATE)
 
     def matrix(rows: int, cols: int, scale: float) -> np.ndarray:
@@ -147,6 +162,8 @@ def write_llama_gguf(
         return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
     def add(name: str, array: np.ndarray) -> None:
+        if name in omit:
+            return
         if array.ndim == 1:
             writer.add_tensor(name, array.astype(np.float32))
             return
@@ -174,3 +191,29 @@ def write_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_dequantized_f32_copy(source: str | Path, path: str | Path) -> Path:
+    """Copy ``source`` to ``path`` with every tensor dequantised to F32 (metadata unchanged).
+
+    llama.cpp computes F32 weights with F32 activations, so on the copy it is an exact oracle
+    for the engine's arithmetic on the very weights of a quantised file (on the quantised file
+    llama.cpp rounds activations to 8 bits first). Tensors keep llama.cpp's q/k row order.
+    """
+    from core_engine.gguf_loader import GGUFFile
+
+    src = GGUFFile(source)
+    reader = src.reader
+    writer = gguf.GGUFWriter(str(path), src.architecture)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, src.dequantized(tensor.name).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

@@ -112,3 +112,19 @@ def test_prompt_logprobs_match_a_full_forward_even_when_chunked(tiny_path: Path)
     sampled = [lp for o in outputs for lp in (o.logprobs or ())]
     assert [r.token_id for r in sampled] == final["token_ids"]
     assert sampled[0].logprob == pytest.approx(float(ref[-1].max()), abs=1e-4)
+
+
+def test_offline_llm_generate_keeps_prompt_order(tiny_path: Path) -> None:
+    from core_engine.llm import LLM
+
+    llm = LLM(str(tiny_path), dtype="float32", num_threads=1, kv_cache_memory_bytes=64 * BLOCK_BYTES)
+    prompts = ["The quick brown fox", "Hello world!", "def forward(self):"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1))
+    assert [o.prompt for o in outs] == prompts
+    for o in outs:
+        assert len(o.token_ids) == 6 and o.finish_reason == "length"
+        assert o.token_ids == reference_greedy(llm.engine, o.prompt_token_ids, 6)
+        assert o.logprobs is not None and [r.token_id for r in o.logprobs] == o.token_ids
+    # A single prompt (string or token ids) works too.
+    (single,) = llm.generate(outs[0].prompt_token_ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert single.token_ids == outs[0].token_ids

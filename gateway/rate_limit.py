@@ -1,0 +1,238 @@
+"""Admission: per-key rate limits, then the global limit on concurrent generation requests.
+
+Per key (``[[auth.keys]]`` ``rpm`` / ``tpm``) two token buckets refill continuously over a
+minute. A request takes one request token; its tokens (prompt + completion, from the
+backend's usage) are charged when it ends, so the token bucket may go below zero and then
+refuses requests until it has refilled above zero. Refusals are 429 ``rate_limit_exceeded``
+with ``Retry-After``; every answer of a limited key carries OpenAI's ``x-ratelimit-*``
+headers.
+
+Globally, at most ``[limits] max_concurrent_requests`` generation requests run at once; the
+next ``max_queued_requests`` wait in FIFO order for up to ``queue_timeout_s``. A full queue
+or a wait that runs out is a 503 ``server_is_overloaded`` with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from backends.errors import RateLimitError, ServerOverloadedError
+from gateway.config import ApiKeyConfig, LimitsConfig
+
+__all__ = ["Admission", "ConcurrencyLimiter", "Grant", "KeyRateLimiter", "TokenBucket"]
+
+Clock = Callable[[], float]
+
+#: Seconds a client refused for a full queue is told to wait.
+_OVERLOADED_RETRY_AFTER_S = 1.0
+
+
+class TokenBucket:
+    """``capacity`` tokens per minute, refilled continuously; the level may go negative."""
+
+    def __init__(self, capacity: int, *, clock: Clock = time.monotonic) -> None:
+        self.capacity = capacity
+        self._rate = capacity / 60.0  # tokens per second
+        self._clock = clock
+        self._level = float(capacity)
+        self._updated = clock()
+
+    def _refill(self) -> float:
+        now = self._clock()
+        self._level = min(self.capacity, self._level + (now - self._updated) * self._rate)
+        self._updated = now
+        return self._level
+
+    @property
+    def remaining(self) -> int:
+        """Whole tokens available now (never below 0)."""
+        return max(0, math.floor(self._refill()))
+
+    def seconds_until(self, level: float) -> float:
+        """How long until the bucket holds at least ``level`` tokens."""
+        return max(0.0, (level - self._refill()) / self._rate)
+
+    def seconds_until_full(self) -> float:
+        return self.seconds_until(self.capacity)
+
+    def take(self, amount: float = 1.0) -> bool:
+        """Take ``amount`` if it is there; False (nothing taken) otherwise."""
+        if self._refill() < amount:
+            return False
+        self._level -= amount
+        return True
+
+    def charge(self, amount: float) -> None:
+        """Take ``amount`` unconditionally (work already done)."""
+        self._refill()
+        self._level -= amount
+
+
+class KeyRateLimiter:
+    """The ``rpm`` / ``tpm`` buckets of every key that has them."""
+
+    def __init__(self, keys: Sequence[ApiKeyConfig], *, clock: Clock = time.monotonic) -> None:
+        self._requests = {k.id: TokenBucket(k.rpm, clock=clock) for k in keys if k.rpm}
+        self._tokens = {k.id: TokenBucket(k.tpm, clock=clock) for k in keys if k.tpm}
+
+    def admit(self, key: ApiKeyConfig | None) -> dict[str, str]:
+        """Take one request; the ``x-ratelimit-*`` headers, or :class:`RateLimitError`."""
+        if key is None:
+            return {}
+        requests = self._requests.get(key.id)
+        tokens = self._tokens.get(key.id)
+        # Tokens first: a request refused for tokens must not also spend a request.
+        if tokens is not None and tokens.remaining <= 0:
+            wait = tokens.seconds_until(1.0)
+            raise RateLimitError(
+                f"rate limit reached for key {key.id!r}: {tokens.capacity} tokens per minute; "
+                f"retry in {wait:.1f} s",
+                retry_after=max(1.0, wait),
+                headers=self._headers(requests, tokens),
+            )
+        if requests is not None and not requests.take():
+            wait = requests.seconds_until(1.0)
+            raise RateLimitError(
+                f"rate limit reached for key {key.id!r}: {requests.capacity} requests per "
+                f"minute; retry in {wait:.1f} s",
+                retry_after=max(1.0, wait),
+                headers=self._headers(requests, tokens),
+            )
+        return self._headers(requests, tokens)
+
+    def charge_tokens(self, key: ApiKeyConfig | None, num_tokens: int) -> None:
+        """Count the tokens a finished (or failed, or abandoned) request used."""
+        if key is None or num_tokens <= 0:
+            return
+        bucket = self._tokens.get(key.id)
+        if bucket is not None:
+            bucket.charge(num_tokens)
+
+    @staticmethod
+    def _headers(requests: TokenBucket | None, tokens: TokenBucket | None) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        for kind, bucket in (("requests", requests), ("tokens", tokens)):
+            if bucket is None:
+                continue
+            headers[f"x-ratelimit-limit-{kind}"] = str(bucket.capacity)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(bucket.remaining)
+            headers[f"x-ratelimit-reset-{kind}"] = _duration(bucket.seconds_until_full())
+        return headers
+
+
+class ConcurrencyLimiter:
+    """At most ``max_active`` holders; ``max_queued`` more wait (FIFO) up to ``timeout_s``."""
+
+    def __init__(self, *, max_active: int, max_queued: int, timeout_s: float) -> None:
+        self.max_active = max_active
+        self.max_queued = max_queued
+        self.timeout_s = timeout_s
+        self.num_active = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        """Hold a slot (call :meth:`release` once), or :class:`ServerOverloadedError`."""
+        if self.num_active < self.max_active and not self._waiters:
+            self.num_active += 1
+            return
+        if len(self._waiters) >= self.max_queued:
+            raise ServerOverloadedError(
+                f"infermux is at capacity ({self.max_active} requests running, "
+                f"{len(self._waiters)} waiting); retry shortly",
+                retry_after=_OVERLOADED_RETRY_AFTER_S,
+            )
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # the slot was handed over as we left: pass it on
+            else:
+                waiter.cancel()
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:
+                    pass
+            if isinstance(exc, TimeoutError):
+                raise ServerOverloadedError(
+                    f"infermux is at capacity: no request slot freed up within "
+                    f"{self.timeout_s:g} s; retry shortly",
+                    retry_after=_OVERLOADED_RETRY_AFTER_S,
+                ) from None
+            raise
+
+    def release(self) -> None:
+        """Free a slot: hand it to the oldest waiter, if any."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot moves on; num_active is unchanged
+                return
+        self.num_active -= 1
+        assert self.num_active >= 0, "ConcurrencyLimiter released more often than acquired"
+
+
+class Grant:
+    """An admitted request: its rate-limit headers and its slot, released once."""
+
+    def __init__(
+        self,
+        admission: Admission,
+        key: ApiKeyConfig | None,
+        headers: dict[str, str],
+    ) -> None:
+        self._admission = admission
+        self._key = key
+        self.headers = headers
+        self._released = False
+
+    def release(self, num_tokens: int = 0) -> None:
+        """Free the slot and charge ``num_tokens`` to the key (idempotent)."""
+        if self._released:
+            return
+        self._released = True
+        self._admission.concurrency.release()
+        self._admission.rate_limiter.charge_tokens(self._key, num_tokens)
+
+
+class Admission:
+    """Per-key limits, then a global slot: :meth:`admit` returns a :class:`Grant`."""
+
+    def __init__(
+        self, limits: LimitsConfig, keys: Sequence[ApiKeyConfig], *, clock: Clock = time.monotonic
+    ) -> None:
+        self.rate_limiter = KeyRateLimiter(keys, clock=clock)
+        self.concurrency = ConcurrencyLimiter(
+            max_active=limits.max_concurrent_requests,
+            max_queued=limits.max_queued_requests,
+            timeout_s=limits.queue_timeout_s,
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        """Generation requests running or waiting for a slot."""
+        return self.concurrency.num_active + self.concurrency.num_queued
+
+    async def admit(self, key: ApiKeyConfig | None) -> Grant:
+        headers = self.rate_limiter.admit(key)
+        await self.concurrency.acquire()
+        return Grant(self, key, headers)
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``"1s"``, ``"6m0s"``, ``"250ms"``."""
+    if seconds < 1.0:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    minutes, rest = divmod(whole, 60)
+    return f"{minutes}m{rest}s" if minutes else f"{rest}s"

@@ -1,0 +1,340 @@
+"""The usage ledger: one SQLite row per request that reached a backend, durable on return.
+
+Writes go through one writer thread with a queue: each :meth:`Ledger.write` enqueues a
+record and awaits a future; the thread takes everything queued (a *group commit*: one
+transaction and one fsync for all of them), commits, then resolves the futures. So the
+event loop never blocks on the disk, concurrent requests share fsyncs, and a caller that
+awaited :meth:`Ledger.write` knows its record is committed (WAL mode; ``synchronous=FULL``
+by default, so it survives a power cut; ``NORMAL`` survives a killed process). A crashed
+process leaves a WAL file that SQLite replays on the next open.
+
+Schema (``PRAGMA user_version = 1``), documented in docs/observability.md::
+
+    usage_records(id, request_id UNIQUE, created_at, finished_at, api_key_id, tenant, model,
+                  backend, kind, status, error_code, num_choices, input_tokens,
+                  cached_input_tokens, output_tokens, cost, ttft_s, tpot_s, duration_s)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import sqlite3
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from plugins.usage_report import UsageDay, UsageQuery, UsageReport, UsageTotals
+
+__all__ = ["SCHEMA_VERSION", "Ledger", "LedgerError", "UsageRecord", "query_usage", "spent"]
+
+logger = logging.getLogger("plugins.cost")
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage_records (
+    id                  INTEGER PRIMARY KEY,
+    request_id          TEXT    NOT NULL UNIQUE,
+    created_at          REAL    NOT NULL,
+    finished_at         REAL    NOT NULL,
+    api_key_id          TEXT,
+    tenant              TEXT,
+    model               TEXT    NOT NULL,
+    backend             TEXT,
+    kind                TEXT    NOT NULL,
+    status              TEXT    NOT NULL,
+    error_code          TEXT,
+    num_choices         INTEGER NOT NULL,
+    input_tokens        INTEGER NOT NULL,
+    cached_input_tokens INTEGER NOT NULL,
+    output_tokens       INTEGER NOT NULL,
+    cost                REAL    NOT NULL,
+    ttft_s              REAL,
+    tpot_s              REAL,
+    duration_s          REAL    NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_records_created_at ON usage_records (created_at);
+CREATE INDEX IF NOT EXISTS usage_records_key ON usage_records (api_key_id, created_at);
+CREATE INDEX IF NOT EXISTS usage_records_tenant ON usage_records (tenant, created_at);
+"""
+
+_COLUMNS = (
+    "request_id",
+    "created_at",
+    "finished_at",
+    "api_key_id",
+    "tenant",
+    "model",
+    "backend",
+    "kind",
+    "status",
+    "error_code",
+    "num_choices",
+    "input_tokens",
+    "cached_input_tokens",
+    "output_tokens",
+    "cost",
+    "ttft_s",
+    "tpot_s",
+    "duration_s",
+)
+_INSERT = (
+    f"INSERT INTO usage_records ({', '.join(_COLUMNS)}) "
+    f"VALUES ({', '.join('?' for _ in _COLUMNS)})"
+)
+# Records committed per transaction at most (a burst larger than this takes several).
+_MAX_BATCH = 512
+
+
+class LedgerError(Exception):
+    """The ledger file cannot be opened or has a schema this version does not know."""
+
+
+class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One row of ``usage_records``: one HTTP request that reached a backend."""
+
+    request_id: str
+    #: Unix seconds: when the request started and when it ended.
+    created_at: float
+    finished_at: float
+    api_key_id: str | None = None
+    tenant: str | None = None
+    model: str
+    #: The backend(s) that served the choices (comma-separated), else the last one tried.
+    backend: str | None = None
+    kind: str
+    #: "ok" | "error" | "aborted".
+    status: str
+    #: The error's code (``upstream_error``, ``request_aborted``...) unless "ok".
+    error_code: str | None = None
+    num_choices: int = 1
+    #: The usage the client got (each prompt counted once, outputs summed).
+    input_tokens: int = 0
+    cached_input_tokens: int = 0
+    output_tokens: int = 0
+    cost: float = 0.0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    duration_s: float = 0.0
+
+    def row(self) -> tuple[object, ...]:
+        return tuple(getattr(self, column) for column in _COLUMNS)
+
+
+_Item = tuple[UsageRecord, "Future[None]"]
+
+
+class Ledger:
+    """The ledger at ``path`` (created with its folder if missing); see the module docstring."""
+
+    def __init__(
+        self, path: str | Path, *, synchronous: Literal["full", "normal"] = "full"
+    ) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            connection = _connect(self.path, create=True)
+            connection.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+            _ensure_schema(connection, self.path)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"cannot open the usage ledger {str(self.path)!r}: {exc}") from exc
+        except OSError as exc:
+            raise LedgerError(
+                f"cannot create the folder of the usage ledger {str(self.path)!r}: {exc}"
+            ) from exc
+        self._connection = connection
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="infermux-ledger", daemon=True)
+        self._thread.start()
+
+    def submit(self, record: UsageRecord) -> Future[None]:
+        """Queue ``record``; the future resolves once its transaction committed."""
+        future: Future[None] = Future()
+        with self._lock:
+            if self._closed:
+                raise LedgerError("the usage ledger is closed")
+            self._queue.put((record, future))
+        return future
+
+    async def write(self, record: UsageRecord) -> None:
+        """Queue ``record`` and wait until it is committed (the event loop keeps running)."""
+        await asyncio.wrap_future(self.submit(record))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Commit what is queued, stop the writer thread, close the file. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("the usage ledger writer did not stop within %.0f s", timeout_s)
+
+    def query(self, query: UsageQuery, *, currency: str = "USD") -> UsageReport:
+        """Totals and per-day rows (runs on the calling thread: use ``asyncio.to_thread``)."""
+        return query_usage(self.path, query, currency=currency)
+
+    # -- the writer thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            if item is None:
+                break
+            batch = [item]
+            while len(batch) < _MAX_BATCH:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
+            self._commit(batch)
+        self._connection.close()
+
+    def _commit(self, batch: list[_Item]) -> None:
+        # A future cancelled by its waiter (hook timeout) still gets its record written.
+        live = [(record, future) for record, future in batch if _start(future)]
+        errors: dict[int, BaseException] = {}
+        try:
+            with self._connection:
+                self._connection.executemany(_INSERT, [record.row() for record, _ in batch])
+        except sqlite3.IntegrityError:
+            # One bad record (a repeated request id) must not lose the others: row by row.
+            for index, (record, _) in enumerate(batch):
+                try:
+                    with self._connection:
+                        self._connection.execute(_INSERT, record.row())
+                except sqlite3.Error as exc:
+                    errors[id(batch[index][1])] = exc
+        except sqlite3.Error as exc:
+            logger.error("usage ledger: writing %d records failed: %s", len(batch), exc)
+            for record, future in live:
+                future.set_exception(LedgerError(f"{record.request_id}: {exc}"))
+            return
+        for record, future in live:
+            error = errors.get(id(future))
+            if error is None:
+                future.set_result(None)
+            else:
+                logger.error("usage ledger: record %s not written: %s", record.request_id, error)
+                future.set_exception(LedgerError(f"{record.request_id}: {error}"))
+
+
+def _start(future: Future[None]) -> bool:
+    return future.set_running_or_notify_cancel()
+
+
+def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
+    if not create and not path.exists():
+        raise LedgerError(f"no usage ledger at {str(path)!r}")
+    # DEFERRED: an INSERT opens a transaction implicitly; "with connection" commits it.
+    connection = sqlite3.connect(
+        path, timeout=10.0, isolation_level="DEFERRED", check_same_thread=False
+    )
+    connection.execute("PRAGMA busy_timeout = 10000")
+    if create:
+        mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise LedgerError(f"{str(path)!r}: SQLite refused WAL mode (got {mode!r})")
+    return connection
+
+
+def _ensure_schema(connection: sqlite3.Connection, path: Path) -> None:
+    version = connection.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise LedgerError(
+            f"{str(path)!r} has ledger schema {version}; this infermux knows {SCHEMA_VERSION}"
+        )
+    with connection:
+        connection.executescript(_SCHEMA)
+        connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _where(query: UsageQuery) -> tuple[str, list[object]]:
+    clauses: list[str] = []
+    params: list[object] = []
+    for column, value in (
+        ("api_key_id", query.api_key_id),
+        ("tenant", query.tenant),
+        ("model", query.model),
+    ):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            params.append(value)
+    if query.start is not None:
+        clauses.append("created_at >= ?")
+        params.append(query.start)
+    if query.end is not None:
+        clauses.append("created_at < ?")
+        params.append(query.end)
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+
+_SUMS = (
+    "COUNT(*), COALESCE(SUM(status != 'ok'), 0), COALESCE(SUM(input_tokens), 0), "
+    "COALESCE(SUM(cached_input_tokens), 0), COALESCE(SUM(output_tokens), 0), "
+    "COALESCE(SUM(cost), 0.0)"
+)
+
+
+def query_usage(path: str | Path, query: UsageQuery, *, currency: str = "USD") -> UsageReport:
+    """Totals and per-day rows of the ledger at ``path`` matching ``query``."""
+    path = Path(path)
+    try:
+        connection = _connect(path, create=False)
+    except sqlite3.Error as exc:
+        raise LedgerError(f"cannot open the usage ledger {str(path)!r}: {exc}") from exc
+    try:
+        where, params = _where(query)
+        totals = connection.execute(f"SELECT {_SUMS} FROM usage_records{where}", params).fetchone()
+        days = connection.execute(
+            f"SELECT strftime('%Y-%m-%d', created_at, 'unixepoch') AS day, {_SUMS} "
+            f"FROM usage_records{where} GROUP BY day ORDER BY day",
+            params,
+        ).fetchall()
+    except sqlite3.Error as exc:
+        raise LedgerError(f"cannot read the usage ledger {str(path)!r}: {exc}") from exc
+    finally:
+        connection.close()
+    return UsageReport(
+        query=query,
+        totals=UsageTotals(**_sums(totals)),
+        per_day=[UsageDay(date=row[0], **_sums(row[1:])) for row in days],
+        currency=currency,
+    )
+
+
+def spent(
+    path: str | Path,
+    *,
+    api_key_id: str | None = None,
+    tenant: str | None = None,
+    since: float | None = None,
+) -> float:
+    """The cost recorded for a key or a tenant since ``since`` (unix seconds; None: ever)."""
+    report = query_usage(path, UsageQuery(api_key_id=api_key_id, tenant=tenant, start=since))
+    return report.totals.cost
+
+
+def _sums(row: tuple[object, ...]) -> dict[str, object]:
+    requests, failed, input_tokens, cached, output_tokens, cost = row
+    return {
+        "requests": int(requests),  # type: ignore[call-overload]
+        "failed_requests": int(failed),  # type: ignore[call-overload]
+        "input_tokens": int(input_tokens),  # type: ignore[call-overload]
+        "cached_input_tokens": int(cached),  # type: ignore[call-overload]
+        "output_tokens": int(output_tokens),  # type: ignore[call-overload]
+        "cost": float(cost),  # type: ignore[arg-type]
+    }
