@@ -3,10 +3,11 @@ llama-server, another infermux) reached over HTTP with ``httpx``.
 
 The client is ``httpx.AsyncClient``; for ``http://`` upstreams its transport is
 :class:`backends._http1_transport.Http1Transport` (lean keep-alive HTTP/1.1; the option
-``http_transport = "httpx"`` selects httpx's default one). Upstream requests always stream (``stream: true`` with ``stream_options.include_usage``),
-whatever the client asked, so the first token is seen as soon as it exists and usage arrives
-in the last event; the gateway assembles non-streaming answers. Closing the iterator closes
-the upstream response, which makes the upstream abort the generation.
+``http_transport = "httpx"`` selects httpx's default one). Upstream requests always stream
+(``stream: true`` with ``stream_options.include_usage``), whatever the client asked, so the
+first token is seen as soon as it exists and usage arrives in the last event; the gateway
+assembles non-streaming answers. Closing the iterator closes the upstream response, which
+makes the upstream abort the generation.
 
 Errors are translated here, at the boundary::
 

@@ -21,6 +21,7 @@ __all__ = ["SUBCOMMAND_MODULES", "build_parser", "main"]
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "gateway.commands.serve",
     "gateway.commands.plugins",
+    "gateway.commands.key",
     "gateway.bench.cli",
 )
 

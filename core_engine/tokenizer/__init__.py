@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core_engine.tokenizer.bpe import TokenizerError, TokenType, Tokenizer
+from core_engine.tokenizer.bpe import Tokenizer, TokenizerError, TokenType
 from core_engine.tokenizer.detokenizer import IncrementalDetokenizer
 from core_engine.tokenizer.pre_tokenizer import UnsupportedPreTokenizerError
 

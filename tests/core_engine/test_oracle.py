@@ -23,7 +23,11 @@ from core_engine.attention import ContiguousAttention
 from core_engine.gguf_loader import load_model
 from core_engine.model import LlamaModel
 from core_engine.tokenizer import Tokenizer
-from tests.core_engine.gguf_factory import TinyLlamaSpec, write_dequantized_f32_copy, write_llama_gguf
+from tests.core_engine.gguf_factory import (
+    TinyLlamaSpec,
+    write_dequantized_f32_copy,
+    write_llama_gguf,
+)
 
 GGML_TYPE_F32 = 0  # llama.cpp type_k/type_v value for an F32 KV cache
 
