@@ -135,6 +135,16 @@ def bench_paged_attention(
                     q4, dense_k, dense_v, attn_mask=mask, enable_gqa=True
                 )
 
+            try:
+                sdpa()
+            except TypeError:  # torch < 2.5 has no enable_gqa: give the peer expanded heads
+                group = n_heads // n_kv
+                dense_k = dense_k.repeat_interleave(group, dim=1)
+                dense_v = dense_v.repeat_interleave(group, dim=1)
+
+                def sdpa(q4=q4, dense_k=dense_k, dense_v=dense_v, mask=mask) -> torch.Tensor:
+                    return F.scaled_dot_product_attention(q4, dense_k, dense_v, attn_mask=mask)
+
             kv_bytes = int(lens.sum()) * n_kv * head_dim * 2 * k_cache.element_size()
             row: dict[str, Any] = {
                 "model": model,
@@ -271,9 +281,8 @@ def bench_engine(device: torch.device, batches: list[int], max_tokens: int, quic
         choices = ["auto", "torch"] if use_triton(device) else ["torch"]
         try:
             for kernels in choices:
-                os.environ["INFERMUX_KERNELS"] = (
-                    kernels  # read when the engine builds its attention
-                )
+                # Read when the engine builds its attention context.
+                os.environ["INFERMUX_KERNELS"] = kernels
                 llm = LLM(
                     str(path),
                     device=str(device),

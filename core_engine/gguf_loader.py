@@ -3,7 +3,7 @@
 Weights of every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_1) are dequantised once at
 load into the compute dtype (bf16 on CPUs with native bf16 and on CUDA, fp32 otherwise): on CPU
 the dense bf16/fp32 matmuls beat torch's int4/int8 weight-only kernels by 2-4x (see
-``docs/core-engine.md``), at the price of 2-4x the memory of the quantised file.
+``docs/core-engine-model.md``), at the price of 2-4x the memory of the quantised file.
 
 llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that its "normal" RoPE can
 rotate adjacent pairs ``(2i, 2i+1)``. The loader undoes that permutation, which moves pair

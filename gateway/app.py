@@ -27,8 +27,10 @@ from gateway.config import ConfigError, InfermuxConfig, check_registered_names
 from gateway.controllers import CONTROLLERS
 from gateway.errors import handle_exception
 from gateway.header_limit import header_limit_middleware
+from gateway.openapi import complete_openapi
 from gateway.state import GatewayState
 from plugins.manager import InfermuxPluginManager, PluginHooks, create_plugin_manager
+from plugins.policy import offer_engine_policies
 
 __all__ = ["create_app"]
 
@@ -71,6 +73,9 @@ def create_app(
         backends=_build_backends(config, hooks, backends or {}),
         backend_configs={b.name: b for b in config.backends},
     )
+    # Engines (core_engine) get the plugin-backed quantization/offload/speculation policies.
+    offer_engine_policies(state.backends, pm)
+    hooks.register_metrics(registry=state.metrics_registry, backends=state.backends)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -81,7 +86,7 @@ def create_app(
         finally:
             await state.shutdown()
 
-    return Litestar(
+    app = Litestar(
         route_handlers=list(CONTROLLERS),
         dependencies={"gateway": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
@@ -96,6 +101,8 @@ def create_app(
         logging_config=None,
         debug=False,
     )
+    complete_openapi(app)
+    return app
 
 
 def _build_backends(

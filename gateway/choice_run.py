@@ -8,22 +8,31 @@ abandoned upstream work, :meth:`ChoiceRun.report` tells the plugins, :meth:`Choi
 does both; all three are idempotent. A choice that failed or was abandoned after streaming tokens is reported
 with partial usage: the completion tokens streamed so far (prompt tokens only when the backend
 reported them, else 0).
+
+The request as a whole is reported too: ``on_request_start`` when :meth:`ChoiceRun.open`
+begins, and exactly one ``on_request_end`` (a summary of outcomes, usage and timings): by
+``open`` when opening fails, else by :meth:`ChoiceRun.end_request`, which the response code
+awaits after :meth:`ChoiceRun.abort` and *before* the final bytes, so that plugins which
+must persist something (the usage ledger) are done when the client sees the end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from backends.base import GenerationChunk, GenerationRequest, Usage
+from backends.base import EnginePhases, GenerationChunk, GenerationRequest, Usage
 from backends.errors import (
     GenerationAbortedError,
     InfermuxError,
     ModelNotFoundError,
 )
 from gateway.errors import to_infermux_error
+from gateway.request_outcome import RequestClock, failure_summary, run_summary
 from gateway.schemas import PromptTokensDetails, UsageInfo
 
 if TYPE_CHECKING:
@@ -49,11 +58,32 @@ class ChoiceState:
         "outcome",
         "error",
         "num_streamed_tokens",
+        "first_chunk_at",
+        "last_output_at",
+        "output_gaps",
+        "phases",
+        "text_parts",
     )
 
-    def __init__(self, request: GenerationRequest, stream: RoutedStream) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        stream: RoutedStream,
+        *,
+        first_chunk_at: float | None = None,
+        capture_output: bool = False,
+    ) -> None:
         self.request = request
         self.stream = stream
+        #: The router returns a stream once its first chunk exists: that moment (monotonic).
+        self.first_chunk_at = first_chunk_at if first_chunk_at is not None else time.monotonic()
+        self.last_output_at: float | None = None
+        #: Seconds between consecutive chunks that carried output (inter-token latency).
+        self.output_gaps = array("d")
+        #: Engine phases from the backend's last chunk (core engine), for tracing.
+        self.phases: EnginePhases | None = None
+        #: The output text, kept only when content capture is on (tracing record_content).
+        self.text_parts: list[str] | None = [] if capture_output else None
         self.usage: Usage | None = None
         self.finish_reason: str | None = None
         #: Output tokens seen so far (token ids, else one per text chunk): partial usage.
@@ -70,13 +100,23 @@ class ChoiceState:
 class ChoiceRun:
     """The open choices of one request; iterate :meth:`events`, then :meth:`aclose`."""
 
-    def __init__(self, hooks: PluginHooks, choices: list[ChoiceState], *, n: int) -> None:
+    def __init__(
+        self,
+        hooks: PluginHooks,
+        choices: list[ChoiceState],
+        *,
+        n: int,
+        clock: RequestClock | None = None,
+    ) -> None:
         self.hooks = hooks
         self.choices = choices
         self.n = n
         self._tasks: list[asyncio.Task[None]] = []
         self._aborted = False
         self._reported = False
+        #: The request's start; None for the runs ``open`` builds only to abandon streams.
+        self._clock = clock
+        self._request_ended = clock is None
 
     @classmethod
     async def open(
@@ -87,9 +127,42 @@ class ChoiceRun:
         requests: Sequence[GenerationRequest],
         n: int,
         pinned_backend: str | None = None,
+        capture_output: bool = False,
     ) -> ChoiceRun:
-        """Transform and route every choice; if one cannot open, close the others and raise."""
-        transformed = [await hooks.transform_request(request=r) for r in requests]
+        """Transform and route every choice; if one cannot open, close the others and raise.
+
+        ``on_request_start`` comes first; when opening fails, ``on_request_end`` is
+        reported here before the error propagates. ``capture_output`` keeps the output
+        text for the request summary (tracing's opt-in content recording).
+        """
+        clock = RequestClock()
+        await hooks.on_request_start(requests=requests)
+        transformed: list[GenerationRequest] = []
+        try:
+            for r in requests:
+                transformed.append(await hooks.transform_request(request=r))
+            choices = await cls._open_choices(
+                router, hooks, transformed, n, pinned_backend, capture_output
+            )
+        except BaseException as exc:
+            routed = len(transformed) == len(requests)
+            summary = failure_summary(
+                clock, transformed if routed else requests, exc, routed=routed
+            )
+            await hooks.on_request_end(summary=summary)
+            raise
+        return cls(hooks, choices, n=n, clock=clock)
+
+    @classmethod
+    async def _open_choices(
+        cls,
+        router: ModelRouter,
+        hooks: PluginHooks,
+        transformed: list[GenerationRequest],
+        n: int,
+        pinned_backend: str | None,
+        capture_output: bool,
+    ) -> list[ChoiceState]:
         if len(transformed) == 1:
             request = transformed[0]
             try:
@@ -100,12 +173,18 @@ class ChoiceRun:
             except asyncio.CancelledError:
                 await _report_abandoned(hooks, [request])
                 raise
-            return cls(hooks, [ChoiceState(request, stream)], n=n)
+            return [ChoiceState(request, stream, capture_output=capture_output)]
 
         tasks = [
             asyncio.ensure_future(router.open(r, pinned_backend=pinned_backend))
             for r in transformed
         ]
+        # When each choice got its first chunk (the tasks finish at different times).
+        opened_at: dict[int, float] = {}
+        for position, task in enumerate(tasks):
+            task.add_done_callback(
+                lambda _, position=position: opened_at.setdefault(position, time.monotonic())
+            )
         try:
             _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:
@@ -115,8 +194,15 @@ class ChoiceRun:
             await _report_abandoned(hooks, _unopened(transformed, tasks))
             raise
         if not pending and all(t.exception() is None for t in tasks):
-            choices = [ChoiceState(r, t.result()) for r, t in zip(transformed, tasks, strict=True)]
-            return cls(hooks, choices, n=n)
+            return [
+                ChoiceState(
+                    r,
+                    t.result(),
+                    first_chunk_at=opened_at.get(position),
+                    capture_output=capture_output,
+                )
+                for position, (r, t) in enumerate(zip(transformed, tasks, strict=True))
+            ]
         # One choice failed: the whole request fails. Abandon the siblings.
         await _settle(tasks)
         await cls(hooks, _opened(transformed, tasks), n=n).aclose()
@@ -226,9 +312,22 @@ class ChoiceRun:
             if choice.outcome != "finished" and choice.usage is None:
                 choice.usage = _partial_usage(choice)
 
+    async def end_request(self) -> None:
+        """Tell the plugins the request ended (``on_request_end``, once; aborts first).
+
+        Awaited before the response's final bytes; :meth:`report` calls it too, for paths
+        that end without final bytes (the client went away).
+        """
+        await self.abort()
+        if self._request_ended:
+            return
+        self._request_ended = True
+        assert self._clock is not None
+        await self.hooks.on_request_end(summary=run_summary(self._clock, self.choices, n=self.n))
+
     async def report(self) -> None:
         """Tell the plugins how every choice ended, once each (aborts first if needed)."""
-        await self.abort()
+        await self.end_request()
         if self._reported:
             return
         self._reported = True
@@ -256,14 +355,20 @@ class ChoiceRun:
 
 
 def _account(choice: ChoiceState, chunk: GenerationChunk) -> None:
-    if chunk.token_ids:
-        choice.num_streamed_tokens += len(chunk.token_ids)
-    elif chunk.text:
-        choice.num_streamed_tokens += 1
+    if chunk.token_ids or chunk.text:
+        choice.num_streamed_tokens += len(chunk.token_ids) or 1
+        now = time.monotonic()
+        if choice.last_output_at is not None:
+            choice.output_gaps.append(now - choice.last_output_at)
+        choice.last_output_at = now
+        if choice.text_parts is not None and chunk.text:
+            choice.text_parts.append(chunk.text)
     if chunk.usage is not None:
         choice.usage = chunk.usage
     if chunk.finish_reason is not None:
         choice.finish_reason = chunk.finish_reason
+    if chunk.phases is not None:
+        choice.phases = chunk.phases
 
 
 def _partial_usage(choice: ChoiceState) -> Usage | None:

@@ -84,12 +84,24 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class PluginsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[plugins]``: which plugins not to load and per-plugin settings tables."""
+    """``[plugins]``: which plugins load, their settings, and what they may see (docs/plugins.md)."""
 
-    #: Plugin names (entry-point names, or ``builtin.<module>``) that are not registered.
+    #: Plugin names (entry-point names, ``builtin.<module>``, config modules) not registered.
     disable: list[str] = []
-    #: ``[plugins.settings.<plugin name>]`` tables, handed to plugins via ``infermux_startup``.
+    #: When set, only these entry-point plugins are loaded (built-ins and ``modules`` are
+    #: always loaded unless disabled); None: every installed one.
+    enable: list[str] | None = None
+    #: Plugins loaded by import path, ``"pkg.module"`` or ``"pkg.module:attribute"``
+    #: (source "config"), for plugins that are not packaged with an entry point.
+    modules: list[str] = []
+    #: ``[plugins.settings.<plugin name>]`` tables: given to a plugin's
+    #: ``create_plugin(settings)`` and, as part of the config, to ``infermux_startup``.
     settings: dict[str, dict[str, Any]] = {}
+    #: A plugin that fails to load stops start-up instead of being skipped.
+    strict: bool = False
+    #: Request headers copied into ``GenerationRequest.labels`` (lower-cased name -> value)
+    #: for plugins to read, e.g. ``["x-tenant-id"]``. Credential headers are refused.
+    request_headers: list[str] = []
     #: An async hook (on_response, on_error, startup, shutdown) taking longer is abandoned.
     hook_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
 
@@ -310,6 +322,7 @@ def _validate(config: InfermuxConfig) -> None:
             raise _fail(f"backends[{i}].max_concurrency", "must be >= 1 (or absent)")
 
     _validate_auth(config.auth)
+    _validate_plugins(config.plugins)
 
     seen_aliases: dict[str, int] = {}
     for i, model in enumerate(config.models):
@@ -330,6 +343,33 @@ def _validate(config: InfermuxConfig) -> None:
             if name in listed:
                 raise _fail(f"models[{i}].backends", f"backend {name!r} is listed twice")
             listed.add(name)
+
+
+#: Headers that carry credentials or session state: never handed to plugins as labels.
+_SECRET_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key"}
+)
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+
+
+def _validate_plugins(plugins: PluginsConfig) -> None:
+    for i, module in enumerate(plugins.modules):
+        path, _, attribute = module.partition(":")
+        if not all(part.isidentifier() for part in path.split(".")) or (
+            attribute and not all(part.isidentifier() for part in attribute.split("."))
+        ):
+            raise _fail(
+                f"plugins.modules[{i}]",
+                f"{module!r} is not an import path ('pkg.module' or 'pkg.module:attribute')",
+            )
+    for i, header in enumerate(plugins.request_headers):
+        if not _HEADER_NAME.fullmatch(header):
+            raise _fail(f"plugins.request_headers[{i}]", f"{header!r} is not a header name")
+        if header.lower() in _SECRET_HEADERS:
+            raise _fail(
+                f"plugins.request_headers[{i}]",
+                f"{header!r} carries credentials and is never copied into request labels",
+            )
 
 
 def _validate_auth(auth: AuthConfig) -> None:

@@ -8,6 +8,10 @@ other backends already). After the first byte of a stream an error becomes a
 away aborts the upstream work: streaming through Litestar's disconnect listener,
 non-streaming through :func:`_while_connected`. The slot is freed as soon as the upstream
 work has stopped, before plugins hear how each choice ended.
+
+The final bytes (``data: [DONE]``, the JSON body, an SSE error frame) go out only after
+``on_request_end`` returned (:func:`_end`): the usage ledger has committed the request's
+record by then, so a completed response is never missing from it.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ async def respond(
             for r in requests
         ]
     pinned = request.headers.get(BACKEND_HEADER) or None
+    capture_output = gateway.config.telemetry.tracing.record_content
     grant = await _while_connected(request, gateway.admission.admit(api_key))
     if stream:
         try:
@@ -88,6 +93,7 @@ async def respond(
                     requests=requests,
                     n=n,
                     pinned_backend=pinned,
+                    capture_output=capture_output,
                 ),
             )
         except BaseException:
@@ -116,7 +122,12 @@ async def respond(
 
     async def collect() -> ChoiceRun:
         run = await ChoiceRun.open(
-            router=router, hooks=gateway.hooks, requests=requests, n=n, pinned_backend=pinned
+            router=router,
+            hooks=gateway.hooks,
+            requests=requests,
+            n=n,
+            pinned_backend=pinned,
+            capture_output=capture_output,
         )
         try:
             async for position, chunk in run.events():
@@ -138,6 +149,7 @@ async def respond(
         await _settle(run, grant)
         await run.report()
         raise
+    await _end(run, grant)
 
     async def finish() -> None:
         await _settle(run, grant)
@@ -162,6 +174,14 @@ async def _settle(run: ChoiceRun, grant: Grant) -> None:
     grant.release(run.total_usage().total_tokens)
 
 
+async def _end(run: ChoiceRun, grant: Grant) -> None:
+    """Before the final bytes: stop the upstream work, free the slot, end the request for
+    the plugins (the usage record is committed when this returns). Not cancellable."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
+        await _settle(run, grant)
+        await run.end_request()
+
+
 async def _sse(
     run: ChoiceRun, output: OutputBuilder, request_id: str, grant: Grant
 ) -> AsyncGenerator[bytes, None]:
@@ -173,13 +193,16 @@ async def _sse(
             frames = output.chunk_frames(position, chunk)
             if frames:
                 yield frames
+        await _end(run, grant)
         end = output.end_frames(run.total_usage())
         if end:
             yield end
         yield DONE_FRAME
     except InfermuxError as exc:
+        await _end(run, grant)
         yield error_frame(exc)
     except Exception as exc:
+        await _end(run, grant)
         yield error_frame(to_infermux_error(exc, request_id))
     finally:
         # Cancelled by a disconnect: the cancellation must not interrupt the abort. The slot

@@ -116,9 +116,7 @@ class CostConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     budgets: list[BudgetConfig] = []
 
 
-def validate_observability(
-    config: InfermuxConfig, fail: Callable[[str, str], Exception]
-) -> None:
+def validate_observability(config: InfermuxConfig, fail: Callable[[str, str], Exception]) -> None:
     """Cross-checks the decoder cannot do; ``fail(key, reason)`` builds the ConfigError."""
     backends = {b.name for b in config.backends}
     aliases = {m.alias for m in config.models}

@@ -24,6 +24,7 @@ __all__ = [
     "check_smuggled_fields",
     "chat_generation_requests",
     "completion_generation_requests",
+    "header_labels",
 ]
 
 #: Fields that would let a request redirect the gateway or reprogram the model's template.
@@ -56,12 +57,27 @@ def check_smuggled_fields(raw_body: object) -> None:
             )
 
 
+def header_labels(headers: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
+    """The allow-listed request headers (``[plugins] request_headers``) as request labels.
+
+    Label keys are the lower-cased header names; absent headers are left out. Plugins read
+    them from ``GenerationRequest.labels`` (e.g. a tenant tagger reading ``x-tenant-id``).
+    """
+    labels: dict[str, str] = {}
+    for name in names:
+        value = headers.get(name)
+        if value is not None:
+            labels[name.lower()] = value
+    return labels
+
+
 def chat_generation_requests(
     body: ChatCompletionRequest,
     *,
     request_id: str,
     limits: LimitsConfig,
     traceparent: str | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> list[GenerationRequest]:
     """One request per choice of a chat completion."""
     _check_model(body.model)
@@ -104,6 +120,7 @@ def chat_generation_requests(
         user=body.user,
         response_format=checked_response_format(body.response_format, limits),
         traceparent=traceparent,
+        labels=dict(labels or {}),
     )
     return _fan_out([template], n, request_id)
 
@@ -114,6 +131,7 @@ def completion_generation_requests(
     request_id: str,
     limits: LimitsConfig,
     traceparent: str | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> list[GenerationRequest]:
     """One request per (prompt, choice) of a text completion."""
     _check_model(body.model)
@@ -151,6 +169,7 @@ def completion_generation_requests(
             stream=bool(body.stream),
             user=body.user,
             traceparent=traceparent,
+            labels=dict(labels or {}),
         )
         for prompt in prompts
     ]

@@ -40,9 +40,7 @@ class RequestClock:
         return time.monotonic() - self.started
 
 
-def run_summary(
-    clock: RequestClock, choices: Sequence[ChoiceState], *, n: int
-) -> RequestSummary:
+def run_summary(clock: RequestClock, choices: Sequence[ChoiceState], *, n: int) -> RequestSummary:
     """The summary of a request whose choices all opened (they are all reported now)."""
     summaries = tuple(_choice_summary(clock, choice) for choice in choices)
     failed = next((c for c in summaries if c.outcome == "failed"), None)
@@ -111,10 +109,10 @@ def _as_error(exc: BaseException) -> InfermuxError:
 
 def _choice_summary(clock: RequestClock, choice: ChoiceState) -> ChoiceSummary:
     usage = choice.usage
-    partial = False
-    if usage is None and choice.num_output_tokens:
-        usage = Usage(prompt_tokens=0, completion_tokens=choice.num_output_tokens)
-        partial = True
+    if usage is None and choice.num_streamed_tokens:  # abort() normally did this already
+        usage = Usage(prompt_tokens=0, completion_tokens=choice.num_streamed_tokens)
+    # Backends report usage on their last chunk only: an unfinished choice's is counted.
+    partial = usage is not None and choice.outcome != "finished"
     num_output = usage.completion_tokens if usage is not None else 0
     tpot = None
     if num_output >= 2 and choice.last_output_at is not None:

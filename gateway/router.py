@@ -18,6 +18,10 @@ Once the first chunk exists the request is committed to that backend: the gatewa
 already be sending bytes to the client, so no retry ever happens after it. A failure later
 in the stream still counts against the circuit.
 
+An upstream 429 with ``Retry-After`` is honoured: no request goes to that backend until the
+time has passed (they fall back to the others; with none left the client gets 429 with the
+remaining wait as its ``Retry-After``).
+
 Circuit breaker per backend (passive health)::
 
     closed --N consecutive failures--> open --cool-down--> half_open --probe ok--> closed
@@ -44,6 +48,7 @@ from backends.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     StreamIdleTimeoutError,
+    UpstreamRateLimitError,
     UpstreamTimeoutError,
 )
 from gateway.capability_check import unsupported_parameter
@@ -57,6 +62,9 @@ __all__ = ["Attempt", "CircuitBreaker", "ModelRouter", "RoutedStream"]
 logger = logging.getLogger("gateway.router")
 
 CircuitState = Literal["closed", "open", "half_open"]
+
+#: The longest an upstream's ``Retry-After`` keeps requests away from it.
+_MAX_BLOCK_S = 600.0
 
 
 class Attempt(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,6 +94,8 @@ class CircuitBreaker:
         self.num_consecutive_failures = 0
         self._opened_at = 0.0
         self._probe_in_flight = False
+        #: An upstream 429's ``Retry-After``: no request goes there before this time.
+        self._blocked_until = 0.0
 
     @property
     def state(self) -> CircuitState:
@@ -100,8 +110,18 @@ class CircuitBreaker:
             return 0.0
         return max(0.0, self._opened_at + self.cooldown_s - self._clock())
 
+    def block_for(self, seconds: float) -> None:
+        """Honour an upstream ``Retry-After``: skip this backend for ``seconds``."""
+        self._blocked_until = max(self._blocked_until, self._clock() + min(seconds, _MAX_BLOCK_S))
+
+    def seconds_blocked(self) -> float:
+        """How long the backend still asked to be left alone (0 when it did not)."""
+        return max(0.0, self._blocked_until - self._clock())
+
     def try_acquire(self) -> bool:
         """May a request go to this backend now? In half-open, only one probe at a time."""
+        if self.seconds_blocked() > 0:
+            return False
         state = self.state
         if state == "closed":
             return True
@@ -249,6 +269,14 @@ class ModelRouter:
         if last_error is None and refusal is not None:
             raise refusal  # no candidate can honour the request
         if last_error is None:
+            blocked = [self._circuits[n].seconds_blocked() for n in ordered]
+            if blocked and all(wait > 0 for wait in blocked):
+                raise UpstreamRateLimitError(
+                    f"every backend of the model {route.alias!r} asked to be left alone "
+                    f"(HTTP 429); retry in {min(blocked):.0f} s",
+                    retry_after=max(1.0, min(blocked)),
+                )
+        if last_error is None:
             # Nothing was tried: every candidate's circuit is open.
             wait = min(self._circuits[n].seconds_until_half_open() for n in ordered)
             raise BackendUnavailableError(
@@ -299,7 +327,13 @@ class ModelRouter:
             backend_request = msgspec.structs.replace(backend_request, deadline=deadline)
         first_deadline = _earliest(started + timeout if timeout is not None else None, deadline)
         self._outstanding[name] += 1
-        stream = self._backends[name].generate(backend_request)
+        # Plugins may wrap the call (timing, caching); the chain is lazy, so everything
+        # below (first-byte timeout, retries, closing) applies to the wrapped stream.
+        stream = self._hooks.wrap_generate(
+            request=backend_request,
+            backend_name=name,
+            generate=self._backends[name].generate,
+        )
         try:
             async with asyncio.timeout_at(_loop_time(first_deadline)):
                 first = await anext(stream)
@@ -317,6 +351,8 @@ class ModelRouter:
                 circuit.release()
                 raise
             attempts.append(Attempt(backend_name=name, error=error, duration_s=_since(started)))
+            if isinstance(error, UpstreamRateLimitError) and error.retry_after:
+                circuit.block_for(error.retry_after)
             if isinstance(error, BackendError) and not isinstance(error, GenerationAbortedError):
                 if circuit.record_failure():
                     logger.warning(

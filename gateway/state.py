@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
+from prometheus_client import CollectorRegistry
+
 from backends.base import (
     Backend,
     BackendConfig,
@@ -102,6 +104,9 @@ class GatewayState:
         self.key_store = KeyStore(config.auth.keys)
         self.admission = Admission(config.limits, config.auth.keys)
         self.started_at = int(time.time())
+        #: This app's Prometheus registry (``GET /metrics``); plugins add to it through
+        #: ``infermux_register_metrics``. Never the global one: apps may share a process.
+        self.metrics_registry = CollectorRegistry(auto_describe=True)
         self._load_task: asyncio.Task[None] | None = None
 
     @property

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from backends.base import GenerationRequest
+from backends.base import GenerationChunk, GenerationRequest
 from backends.errors import InfermuxError
+from plugins.generate_chain import chain_generate
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -93,6 +94,29 @@ class PluginHooks:
             )
             return None
         return choice
+
+    def wrap_generate(
+        self,
+        *,
+        request: GenerationRequest,
+        backend_name: str,
+        generate: Callable[[GenerationRequest], AsyncIterator[GenerationChunk]],
+    ) -> AsyncIterator[GenerationChunk]:
+        """``generate(request)`` wrapped by every ``infermux_wrap_generate`` (outermost first).
+
+        Without implementations this is ``generate(request)`` itself. Never raises: a
+        wrapper's failure surfaces from the stream (see :mod:`plugins.generate_chain`).
+        """
+        impls = [
+            impl
+            for impl in reversed(self.pm.hook.infermux_wrap_generate.get_hookimpls())
+            if not (impl.wrapper or impl.hookwrapper)
+        ]
+        if not impls:
+            return generate(request)
+        return chain_generate(
+            impls, request=request, backend_name=backend_name, generate=generate
+        )
 
     # -- request path -------------------------------------------------------------------
 

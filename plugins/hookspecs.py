@@ -19,7 +19,7 @@ published under the entry-point group ``infermux`` (``[project.entry-points.infe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -27,8 +27,16 @@ import pluggy
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from backends.base import Backend, BackendConfig, GenerationRequest, Usage
+    from backends.base import Backend, BackendConfig, GenerationChunk, GenerationRequest, Usage
     from backends.errors import InfermuxError
+    from core_engine.policy import (
+        KVOffloadContext,
+        KVOffloadDecision,
+        QuantizationContext,
+        QuantizationDecision,
+        SpeculationContext,
+        SpeculationDecision,
+    )
     from gateway.config import InfermuxConfig
     from plugins.request_summary import RequestSummary
     from plugins.usage_report import UsageQuery, UsageReport
@@ -235,4 +243,73 @@ def infermux_query_usage(query: UsageQuery) -> UsageReport | None:
     the next plugin answer; the built-in cost ledger answers last (``trylast``), so an
     accounting plugin of your own can take over. With no answer at all the endpoint says
     404 (accounting disabled). An ``InfermuxError`` raised here reaches the client.
+    """
+
+
+# -- the backend call ---------------------------------------------------------------------
+
+
+@hookspec
+def infermux_wrap_generate(
+    request: GenerationRequest,
+    backend_name: str,
+    call_next: Callable[[GenerationRequest], AsyncIterator[GenerationChunk]],
+) -> AsyncIterator[GenerationChunk] | None:
+    """Wrap one backend call: time it, cache it, rewrite its chunks (async-capable).
+
+    Called by the router for every attempt, after ``infermux_on_attempt_start``, with the
+    request the backend will get and ``call_next(request)``, which opens the next wrapper's
+    stream, the last one the backend's own ``generate``. Return an async iterator of
+    ``GenerationChunk`` (usually: write the hookimpl as an async generator that iterates
+    ``call_next(request)`` and yields), or ``None`` to leave the call unwrapped. A
+    coroutine function may also ``return`` such an iterator (or ``None``) after awaiting
+    something (a cache lookup); it is awaited inside the first-byte timeout. Wrappers nest
+    in pluggy's call order: the first (``tryfirst``) is outermost. The router's rules stay
+    around the whole chain: first-byte timeout, retries before the first chunk, closing
+    the stream aborts every layer and the backend. An exception other than an
+    ``InfermuxError`` raised by a wrapper fails the request with a 500 naming the plugin,
+    and is never counted against the backend's circuit.
+    """
+
+
+# -- engine policies (consulted by the core engine; see core_engine/policy.py) ------------
+
+
+@hookspec(firstresult=True)
+def infermux_choose_quantization(context: QuantizationContext) -> QuantizationDecision | None:
+    """Choose the weight and KV cache dtypes of a model the core engine loads (synchronous).
+
+    Called once per model load, before the weights are read, with a
+    :class:`~core_engine.policy.QuantizationContext` (model name and path, device, file
+    type, free device memory). Return a :class:`~core_engine.policy.QuantizationDecision`
+    or ``None`` to let the next plugin decide; the built-in policy answers last
+    (``trylast``): "auto", or the per-model override from its settings. The engine raises
+    at load time if it cannot honour the answer. An exception is logged and the built-in
+    default is used.
+    """
+
+
+@hookspec(firstresult=True)
+def infermux_plan_kv_offload(context: KVOffloadContext) -> KVOffloadDecision | None:
+    """Decide which requests' KV blocks leave device memory and which come back (synchronous).
+
+    Called by the core engine once per scheduler step while it has a host (or disk) KV
+    tier, with a :class:`~core_engine.policy.KVOffloadContext` (free blocks per tier, and
+    where each request's blocks are). Return a :class:`~core_engine.policy.KVOffloadDecision`
+    (offload, prefetch) or ``None`` for the next plugin; the built-in watermark policy answers
+    last. Runs on the engine's step path: it must be fast and do no I/O. An exception is
+    logged and the built-in default is used for that step.
+    """
+
+
+@hookspec(firstresult=True)
+def infermux_choose_speculation(context: SpeculationContext) -> SpeculationDecision | None:
+    """Choose the speculative decoding method and proposal length for a request (synchronous).
+
+    Called by the core engine per request and step while speculation is available, with a
+    :class:`~core_engine.policy.SpeculationContext` (available methods, batch size, tokens
+    proposed and accepted so far, the request's labels). Return a
+    :class:`~core_engine.policy.SpeculationDecision` (``method`` None: decode normally) or
+    ``None`` for the next plugin; the built-in adaptive policy answers last. Runs on the
+    step path: fast, no I/O. An exception is logged and the built-in default is used.
     """

@@ -1,18 +1,33 @@
-"""Creating the plugin manager: built-ins, then entry-point plugins, then ``check_pending``.
+"""Creating the plugin manager: built-ins, entry points, config modules, ``check_pending``.
 
 Nothing is loaded at import time; ``create_app`` (or ``infermux plugins``) calls
-:func:`create_plugin_manager`. A plugin that fails to import, registers hooks with a wrong
+:func:`create_plugin_manager`. Plugins come from three sources, in this order: the
+built-ins (:data:`BUILTIN_PLUGINS`), the entry-point group ``infermux`` of installed
+distributions (``[plugins] enable`` may restrict which), and ``[plugins] modules`` import
+paths (source "config"). ``[plugins] disable`` blocks any of them by name.
+
+A loaded object exposing ``create_plugin`` (a module-level function) is not registered
+itself: ``create_plugin()`` or, when it takes a ``settings`` parameter,
+``create_plugin(settings=<[plugins.settings.<name>] table>)`` makes the plugin object, one
+per plugin manager (several apps may live in one process).
+
+A plugin that fails to import, to build from its settings, registers hooks with a wrong
 signature or implements an unknown hook is reported (logged, listed by ``infermux plugins``)
-and skipped; the gateway starts without it. The typed facade the gateway calls hooks
-through is :class:`plugins.hook_facade.PluginHooks`, re-exported here.
+and skipped; the gateway starts without it. With ``strict`` (``[plugins] strict = true``,
+``infermux serve --strict-plugins``) such a failure raises :class:`PluginLoadError`
+instead. The typed facade the gateway calls hooks through is
+:class:`plugins.hook_facade.PluginHooks`, re-exported here.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import logging
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import pluggy
@@ -28,6 +43,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "InfermuxPluginManager",
     "PluginHooks",
+    "PluginLoadError",
     "PluginRecord",
     "create_plugin_manager",
 ]
@@ -46,6 +62,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("builtin.cost", "plugins.builtin.cost"),
     ("builtin.metrics", "plugins.builtin.metrics"),
     ("builtin.tracing", "plugins.builtin.tracing"),
+    ("builtin.policy", "plugins.builtin.policy"),
 )
 
 PluginStatus = Literal["loaded", "failed", "disabled"]
@@ -55,10 +72,12 @@ class PluginRecord(msgspec.Struct, frozen=True, kw_only=True):
     """What happened to one plugin at load time."""
 
     name: str
-    #: "builtin" or "entry point".
+    #: "builtin", "entry point", "config" (``[plugins] modules``) or "registered" (by code).
     source: str
     #: ``dist-name version`` for entry-point plugins.
     distribution: str | None = None
+    #: The version of the distribution that ships the plugin, when known.
+    version: str | None = None
     status: PluginStatus = "loaded"
     #: Why it failed ("ImportError: ..."), for ``failed``.
     error: str | None = None
@@ -115,33 +134,50 @@ class InfermuxPluginManager(pluggy.PluginManager):
         return records
 
 
+class PluginLoadError(Exception):
+    """Strict loading: at least one plugin failed (``records`` are the failed ones)."""
+
+    def __init__(self, records: list[PluginRecord]) -> None:
+        details = "; ".join(f"{r.name} ({r.source}): {r.error}" for r in records)
+        super().__init__(f"{len(records)} plugin(s) failed to load: {details}")
+        self.records = records
+
+
 def create_plugin_manager(
     *,
     config: PluginsConfig | None = None,
     load_entry_points: bool = True,
+    strict: bool | None = None,
 ) -> InfermuxPluginManager:
-    """Build the plugin manager: hookspecs, built-ins, entry points (group ``infermux``).
+    """Build the plugin manager: hookspecs, built-ins, entry points, config modules.
 
-    ``config.disable`` names are blocked (``builtin.routing``, or an entry point's name).
+    ``config.disable`` names are blocked (``builtin.routing``, an entry point's name, a
+    module path); ``config.enable`` restricts the entry points; ``config.settings`` feeds
+    ``create_plugin(settings)``. ``strict`` (default: ``config.strict``) raises
+    :class:`PluginLoadError` when any plugin failed instead of skipping it.
     """
     disabled = set(config.disable) if config is not None else set()
+    enabled = set(config.enable) if config is not None and config.enable is not None else None
+    settings: Mapping[str, Mapping[str, Any]] = config.settings if config is not None else {}
+    if strict is None:
+        strict = config.strict if config is not None else False
     pm = InfermuxPluginManager()
     pm.add_hookspecs(hookspecs)
     for name in disabled:
         pm.set_blocked(name)
 
+    infermux_version = _distribution_version("infermux")
     for name, module_name in BUILTIN_PLUGINS:
+        record = PluginRecord(name=name, source="builtin", version=infermux_version)
         if name in disabled:
-            pm.record(PluginRecord(name=name, source="builtin", status="disabled"))
+            pm.record(msgspec.structs.replace(record, status="disabled"))
             continue
         try:
-            module = importlib.import_module(module_name)
-            factory = getattr(module, "create_plugin", None)
-            plugin = factory() if callable(factory) else module
+            plugin = _instantiate(importlib.import_module(module_name), settings.get(name))
         except Exception as exc:  # a broken plugin must not take the gateway down
-            _report_failure(pm, PluginRecord(name=name, source="builtin"), exc)
+            _report_failure(pm, record, exc)
             continue
-        _register(pm, plugin, PluginRecord(name=name, source="builtin"))
+        _register(pm, plugin, record)
 
     if load_entry_points:
         for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -150,21 +186,79 @@ def create_plugin_manager(
                 name=entry_point.name,
                 source="entry point",
                 distribution=f"{dist.name} {dist.version}" if dist is not None else None,
+                version=dist.version if dist is not None else None,
             )
-            if entry_point.name in disabled:
+            if entry_point.name in disabled or (
+                enabled is not None and entry_point.name not in enabled
+            ):
                 pm.record(msgspec.structs.replace(record, status="disabled"))
                 continue
             if pm.get_plugin(entry_point.name) is not None:
                 continue  # the same distribution found twice on sys.path
             try:
-                plugin = entry_point.load()
+                plugin = _instantiate(entry_point.load(), settings.get(entry_point.name))
             except Exception as exc:
                 _report_failure(pm, record, exc)
                 continue
             _register(pm, plugin, record)
 
+    for path in config.modules if config is not None else ():
+        record = PluginRecord(name=path, source="config")
+        if path in disabled:
+            pm.record(msgspec.structs.replace(record, status="disabled"))
+            continue
+        try:
+            target, module = _import_path(path)
+            record = msgspec.structs.replace(record, version=_module_version(module))
+            plugin = _instantiate(target, settings.get(path))
+        except Exception as exc:
+            _report_failure(pm, record, exc)
+            continue
+        _register(pm, plugin, record)
+
     pm.drop_invalid_plugins()
+    if strict:
+        failed = [r for r in pm.plugin_records() if r.status == "failed"]
+        if failed:
+            raise PluginLoadError(failed)
     return pm
+
+
+def _instantiate(loaded: object, settings: Mapping[str, Any] | None) -> object:
+    """The object to register: ``loaded``, or what its ``create_plugin`` makes."""
+    factory = getattr(loaded, "create_plugin", None)
+    if not isinstance(loaded, ModuleType) or not callable(factory):
+        return loaded
+    if "settings" in inspect.signature(factory).parameters:
+        return factory(settings=dict(settings or {}))
+    return factory()
+
+
+def _import_path(path: str) -> tuple[object, ModuleType]:
+    """``pkg.module`` or ``pkg.module:attr.sub`` -> (the object, its module)."""
+    module_name, _, attribute = path.partition(":")
+    module = importlib.import_module(module_name)
+    target: object = module
+    for part in attribute.split(".") if attribute else ():
+        target = getattr(target, part)
+    return target, module
+
+
+def _module_version(module: ModuleType) -> str | None:
+    top_level = module.__name__.partition(".")[0]
+    for dist_name in importlib.metadata.packages_distributions().get(top_level, []):
+        version = _distribution_version(dist_name)
+        if version is not None:
+            return version
+    version = getattr(module, "__version__", None)
+    return version if isinstance(version, str) else None
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _register(pm: InfermuxPluginManager, plugin: object, record: PluginRecord) -> None:

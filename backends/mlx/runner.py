@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from backends._stop import StopBuffer
@@ -234,6 +234,9 @@ class MLXRunner:
             raise
         finally:
             steps.close()
+            # generate_step computes one step ahead; let it finish here rather than race the
+            # next request (or interpreter exit, which MLX's worker threads do not survive).
+            mx.synchronize(generation_stream)
         self._keep_cache(cache, fed)
 
     def _decode(

@@ -45,6 +45,12 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--no-access-log", action="store_true", help="do not log one line per request"
     )
+    parser.add_argument(
+        "--strict-plugins",
+        action="store_true",
+        help="refuse to start when a plugin fails to load (default: skip it and log why; "
+        "also [plugins] strict = true)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -57,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.config import ConfigError, load_config
     from gateway.drain import DrainingServer
     from gateway.header_limit import uvicorn_h11_limit
+    from plugins.manager import PluginLoadError
 
     logging.basicConfig(level=args.log_level.upper(), format=_LOG_FORMAT)
     try:
@@ -67,11 +74,18 @@ def run(args: argparse.Namespace) -> int:
         if args.port is not None:
             server_config = msgspec.structs.replace(server_config, port=args.port)
         config = msgspec.structs.replace(config, server=server_config)
+        if args.strict_plugins:
+            config = msgspec.structs.replace(
+                config, plugins=msgspec.structs.replace(config.plugins, strict=True)
+            )
         check_exposure(config)
         app = create_app(config)
     except ConfigError as exc:
         where = f" in {args.config}" if args.config is not None else ""
         print(f"infermux: config error{where}: {exc}", file=sys.stderr)
+        return 2
+    except PluginLoadError as exc:
+        print(f"infermux: {exc} (--strict-plugins / [plugins] strict)", file=sys.stderr)
         return 2
 
     cleanup_timeout_s = config.plugins.hook_timeout_s + 1.0

@@ -12,7 +12,7 @@ from litestar.params import JSONBody
 from gateway.body_check import check_raw_body
 from gateway.completion_output import CompletionOutput
 from gateway.generation_response import respond
-from gateway.request_conversion import completion_generation_requests
+from gateway.request_conversion import completion_generation_requests, header_labels
 from gateway.request_id import request_id_of
 from gateway.schemas import Completion, CompletionRequest
 from gateway.state import GatewayState
@@ -46,6 +46,7 @@ class CompletionController(Controller):
             request_id=request_id,
             limits=gateway.config.limits,
             traceparent=request.headers.get("traceparent"),
+            labels=header_labels(request.headers, gateway.config.plugins.request_headers),
         )
         stream = bool(data.stream)
         output = CompletionOutput(

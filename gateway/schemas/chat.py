@@ -7,7 +7,7 @@ Type and range errors become 400s naming the field (``messages[0].role``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -47,10 +47,14 @@ class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
     text: str | None = None
 
 
+#: "developer" is OpenAI's newer name for "system".
+Role = Literal["system", "developer", "user", "assistant"]
+
+
 class ChatMessageParam(msgspec.Struct, frozen=True, kw_only=True):
     """One input message: ``content`` is a string or an array of text parts."""
 
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

@@ -65,9 +65,7 @@ def tracing_wanted(enabled: bool | None, env: Mapping[str, str]) -> bool:
 
 def metrics_export_wanted(otel_export: bool | None, env: Mapping[str, str]) -> bool:
     """Config ``otel_export`` if set, else whether ``OTEL_*`` asks for metric export."""
-    return _wanted(
-        otel_export, env, "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
-    )
+    return _wanted(otel_export, env, "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
 
 
 def _resource(service_name: str, env: Mapping[str, str]) -> Resource:
@@ -164,4 +162,6 @@ def shutdown_quietly(shutdown: Callable[[], object], what: str, timeout_s: float
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        logger.warning("the %s did not flush within %.0f s; remaining data dropped", what, timeout_s)
+        logger.warning(
+            "the %s did not flush within %.0f s; remaining data dropped", what, timeout_s
+        )

@@ -9,6 +9,8 @@ programs (flash-decoding); a second kernel merges the per-split partial results.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -25,10 +27,10 @@ _MAX_SPLITS = 32
 
 @triton.jit
 def _paged_decode_kernel(
-    out_ptr,  # (S, H, D) when NUM_SPLITS == 1
-    part_acc_ptr,  # (S, H, NUM_SPLITS, HEAD_DIM) fp32 when NUM_SPLITS > 1
-    part_max_ptr,  # (S, H, NUM_SPLITS) fp32, running max in log2 units
-    part_sum_ptr,  # (S, H, NUM_SPLITS) fp32
+    out_ptr,  # (S, H, D), written when not IS_SPLIT
+    part_acc_ptr,  # (S, H, num_splits, HEAD_DIM) fp32, written when IS_SPLIT
+    part_max_ptr,  # (S, H, num_splits) fp32, running max in log2 units
+    part_sum_ptr,  # (S, H, num_splits) fp32
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -36,6 +38,7 @@ def _paged_decode_kernel(
     context_lens_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
     num_heads,
+    num_splits,
     tiles_per_split,
     stride_q_seq,
     stride_q_head,
@@ -54,7 +57,8 @@ def _paged_decode_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    # Split count is a runtime value (it follows the batch): constexpr would compile per value.
+    IS_SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -124,7 +128,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
@@ -132,7 +136,7 @@ def _paged_decode_kernel(
             mask=q_mask,
         )
     else:
-        rows = (seq * num_heads + heads) * NUM_SPLITS + split  # (GROUP_PAD,)
+        rows = (seq * num_heads + heads) * num_splits + split  # (GROUP_PAD,)
         tl.store(part_max_ptr + rows, m_i, mask=head_mask)
         tl.store(part_sum_ptr + rows, l_i, mask=head_mask)
         tl.store(part_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=q_mask)
@@ -141,22 +145,22 @@ def _paged_decode_kernel(
 @triton.jit
 def _paged_decode_merge_kernel(
     out_ptr,  # (S, H, D)
-    part_acc_ptr,  # (S, H, NUM_SPLITS, HEAD_DIM) fp32
-    part_max_ptr,  # (S, H, NUM_SPLITS) fp32
-    part_sum_ptr,  # (S, H, NUM_SPLITS) fp32
+    part_acc_ptr,  # (S, H, num_splits, HEAD_DIM) fp32
+    part_max_ptr,  # (S, H, num_splits) fp32
+    part_sum_ptr,  # (S, H, num_splits) fp32
     num_heads,
+    num_splits,
     stride_out_seq,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     NUM_SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS_PAD)
-    split_mask = splits < NUM_SPLITS
-    rows = (seq * num_heads + head) * NUM_SPLITS + splits  # (NUM_SPLITS_PAD,)
+    split_mask = splits < num_splits
+    rows = (seq * num_heads + head) * num_splits + splits  # (NUM_SPLITS_PAD,)
     m = tl.load(part_max_ptr + rows, mask=split_mask, other=float("-inf"))
     l_part = tl.load(part_sum_ptr + rows, mask=split_mask, other=0.0)
     # Splits past the sequence's end are empty (max -inf); clamping keeps exp2 free of inf - inf.
@@ -178,11 +182,16 @@ def _paged_decode_merge_kernel(
     )
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _default_num_splits(device: torch.device, num_programs: int, max_tiles: int) -> int:
     if device.type != "cuda":
         return 1  # the interpreter runs programs one by one: more of them only costs time
     # Aim for about two programs per SM so that small batches still fill the GPU.
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(max_tiles, _MAX_SPLITS, triton.cdiv(target, num_programs)))
 
 
@@ -251,6 +260,7 @@ def paged_attention_decode_triton(
         context_lens,
         scale * _LOG2E,
         n_heads,
+        num_splits,
         tiles_per_split,
         q.stride(0),
         q.stride(1),
@@ -269,7 +279,7 @@ def paged_attention_decode_triton(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        IS_SPLIT=num_splits > 1,
         DOT_FP32=dot_fp32,
     )
     if num_splits > 1:
@@ -279,11 +289,11 @@ def paged_attention_decode_triton(
             part_max,
             part_sum,
             n_heads,
+            num_splits,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits,
             NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
     return out

@@ -29,9 +29,7 @@ def period_bounds(period: str, now: float) -> tuple[float | None, float | None]:
         end = datetime.fromtimestamp(start.timestamp() + 86400, UTC)
     elif period == "month":
         start = moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-        end = start.replace(
-            year=start.year + (start.month == 12), month=start.month % 12 + 1
-        )
+        end = start.replace(year=start.year + (start.month == 12), month=start.month % 12 + 1)
     else:  # pragma: no cover - the config decoder allows only the three
         raise ValueError(f"unknown budget period {period!r}")
     return start.timestamp(), end.timestamp()
@@ -96,9 +94,7 @@ class BudgetBook:
             if budget.spent >= budget.config.limit:
                 raise BudgetExceededError(self._message(budget, now))
 
-    def charge(
-        self, *, api_key_id: str | None, tenant: str | None, cost: float, at: float
-    ) -> None:
+    def charge(self, *, api_key_id: str | None, tenant: str | None, cost: float, at: float) -> None:
         """Add a recorded cost (of a request that started at ``at``) to its budgets."""
         if cost <= 0:
             return

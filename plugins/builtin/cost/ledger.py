@@ -84,8 +84,7 @@ _COLUMNS = (
     "duration_s",
 )
 _INSERT = (
-    f"INSERT INTO usage_records ({', '.join(_COLUMNS)}) "
-    f"VALUES ({', '.join('?' for _ in _COLUMNS)})"
+    f"INSERT INTO usage_records ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
 )
 # Records committed per transaction at most (a burst larger than this takes several).
 _MAX_BATCH = 512

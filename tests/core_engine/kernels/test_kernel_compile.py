@@ -43,15 +43,15 @@ def _compile(kernel: Any, *, target: GPUTarget = HOPPER, num_warps: int = 4, **s
 PAGED_CASES = {
     # SmolLM2-135M in bf16: 9 heads over 3 kv heads, tensor-core dots, one split.
     "smollm2-bf16": dict(
-        dtype="*bf16", GROUP=3, HEAD_DIM=64, BLOCK_SIZE=16, NUM_SPLITS=1, DOT_FP32=False
+        dtype="*bf16", GROUP=3, HEAD_DIM=64, BLOCK_SIZE=16, IS_SPLIT=False, DOT_FP32=False
     ),
     # Llama-8B-like fp16, flash-decoding splits.
     "llama8b-fp16-split": dict(
-        dtype="*fp16", GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8, DOT_FP32=False
+        dtype="*fp16", GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, IS_SPLIT=True, DOT_FP32=False
     ),
     # fp32 model: exact fp32 dots; an odd block size and head dim.
     "fp32-odd": dict(
-        dtype="*fp32", GROUP=1, HEAD_DIM=80, BLOCK_SIZE=6, NUM_SPLITS=2, DOT_FP32=True
+        dtype="*fp32", GROUP=1, HEAD_DIM=80, BLOCK_SIZE=6, IS_SPLIT=True, DOT_FP32=True
     ),
 }
 
@@ -72,18 +72,17 @@ def test_paged_decode_kernel_compiles(case: str) -> None:
         HEAD_DIM_PAD=triton.next_power_of_2(c["HEAD_DIM"]),
         BLOCK_SIZE=c["BLOCK_SIZE"],
         BLOCK_N=64,
-        NUM_SPLITS=c["NUM_SPLITS"],
+        IS_SPLIT=c["IS_SPLIT"],
         DOT_FP32=c["DOT_FP32"],
     )
     assert ".entry _paged_decode_kernel" in kernel.asm["ptx"]
-    if c["NUM_SPLITS"] > 1:
+    if c["IS_SPLIT"]:
         _compile(
             paged_attention._paged_decode_merge_kernel,
             out_ptr=c["dtype"],
             HEAD_DIM=c["HEAD_DIM"],
             HEAD_DIM_PAD=triton.next_power_of_2(c["HEAD_DIM"]),
-            NUM_SPLITS=c["NUM_SPLITS"],
-            NUM_SPLITS_PAD=triton.next_power_of_2(c["NUM_SPLITS"]),
+            NUM_SPLITS_PAD=8,
         )
 
 
@@ -104,7 +103,7 @@ def test_paged_decode_kernel_compiles_for_ampere() -> None:
         HEAD_DIM_PAD=128,
         BLOCK_SIZE=16,
         BLOCK_N=64,
-        NUM_SPLITS=1,
+        IS_SPLIT=False,
         DOT_FP32=False,
     )
 

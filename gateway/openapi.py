@@ -1,0 +1,119 @@
+"""Completing the OpenAPI document (``/schema/openapi.json``) with what Litestar cannot infer.
+
+Litestar documents each handler's success body and its own validation-error shape. The
+gateway answers differently, so the document is completed here, in one place, once the app
+is built:
+
+- the wire types' schemas come from msgspec itself (``msgspec.json.schema_components``),
+  the same code that validates requests, so every range and enum is documented exactly
+  (Litestar's generator drops a bound of 0, such as ``temperature >= 0``);
+- every error response is the OpenAI envelope (component ``ErrorResponse``), listed per
+  status the operation can really answer, plus ``default`` for the rare rest (a proxy's
+  405, uvicorn's own 400 for malformed HTTP);
+- generation endpoints also answer ``text/event-stream`` (``"stream": true``);
+- ``/ready`` answers 503 with the readiness body while loading or draining;
+- ``/v1/`` operations require the API key (``Authorization: Bearer``) when keys are
+  configured: the ``apiKey`` security scheme.
+
+The fuzzing suite (tests/reliability/test_openapi_fuzz.py) checks every response the
+gateway gives against this document.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Litestar
+from litestar._openapi.plugin import OpenAPIPlugin
+from litestar.openapi.spec import (
+    Components,
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    Reference,
+    Schema,
+    SecurityScheme,
+)
+from litestar.openapi.spec.enums import OpenAPIType
+
+from gateway import schemas
+
+__all__ = ["complete_openapi"]
+
+_DESCRIPTIONS = {
+    "400": "Invalid request: the message says what to change and `param` names the field",
+    "401": "Missing or invalid API key (`invalid_api_key`)",
+    "403": "Open mode (no API keys configured) serves loopback clients only",
+    "404": "Unknown model (`model_not_found`) or endpoint",
+    "413": "Request body larger than `[server] max_body_bytes`",
+    "429": "Rate limit of the API key, or of the upstream (`Retry-After` says when to retry)",
+    "431": "Request headers larger than `[limits] max_header_bytes`",
+    "500": "Internal error; the message quotes the request id",
+    "502": "The backend failed",
+    "503": "No backend available, still loading, draining, or at capacity (`Retry-After`)",
+    "504": "The backend did not answer in time",
+    "default": "Any other error, as the OpenAI envelope",
+}
+
+_COMMON = ("431", "500", "default")
+_V1 = ("401", "403")
+_GENERATION = ("400", "404", "413", "429", "502", "503", "504")
+
+
+def complete_openapi(app: Litestar) -> None:
+    """Add the gateway's error responses, SSE bodies and security scheme (see module doc)."""
+    openapi = app.plugins.get(OpenAPIPlugin).provide_openapi()
+    components = openapi.components
+    if isinstance(components, list):  # pragma: no cover - Litestar merges these itself
+        components = components[0]
+    assert isinstance(components, Components)
+    # Raw JSON Schema dicts: Litestar serialises them as they are.
+    _, wire_schemas = msgspec.json.schema_components(
+        [getattr(schemas, name) for name in schemas.__all__],
+        ref_template="#/components/schemas/{name}",
+    )
+    components.schemas.update(wire_schemas)  # type: ignore[arg-type]
+    components.security_schemes = {
+        **(components.security_schemes or {}),
+        "apiKey": SecurityScheme(
+            type="http",
+            scheme="bearer",
+            description="An API key from [[auth.keys]] (only when keys are configured)",
+        ),
+    }
+    error_ref = Reference(ref="#/components/schemas/ErrorResponse")
+    for path, item in (openapi.paths or {}).items():
+        for operation in (item.get, item.post, item.put, item.delete, item.patch):
+            if operation is None:
+                continue
+            statuses = list(_COMMON)
+            if path.startswith("/v1/"):
+                statuses += _V1
+                operation.security = [{"apiKey": []}, {}]
+            is_generation = operation.request_body is not None and path.startswith("/v1/")
+            if is_generation:
+                statuses += _GENERATION
+            else:
+                if operation.parameters:
+                    statuses.append("400")
+                if "{" in path:
+                    statuses.append("404")
+            responses = operation.responses if operation.responses is not None else {}
+            for status in statuses:
+                responses[status] = OpenAPIResponse(
+                    description=_DESCRIPTIONS[status],
+                    content={"application/json": OpenAPIMediaType(schema=error_ref)},
+                )
+            success = responses.get("200")
+            if is_generation and isinstance(success, OpenAPIResponse) and success.content:
+                success.content["text/event-stream"] = OpenAPIMediaType(
+                    schema=Schema(
+                        type=OpenAPIType.STRING,
+                        description='Server-sent events: `data: {chunk}` frames, then '
+                        '`data: [DONE]` (or an error frame `data: {"error": ...}`)',
+                    )
+                )
+            if path == "/ready" and isinstance(success, OpenAPIResponse):
+                responses["503"] = OpenAPIResponse(
+                    description="Loading, failed or draining (same body as 200)",
+                    content=success.content,
+                )
+            operation.responses = responses

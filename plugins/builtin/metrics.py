@@ -1,0 +1,391 @@
+"""The built-in metrics plugin (``builtin.metrics``): Prometheus at ``GET /metrics``, and
+the same measurements as OpenTelemetry GenAI metrics when OTel metric export is configured.
+
+Prometheus (the app's own registry; every name starts with ``infermux_``):
+
+=========================================  =========  =====================================
+name                                       type       labels
+=========================================  =========  =====================================
+requests_total                             counter    model, backend, status (ok | code)
+request_duration_seconds                   histogram  model, backend, status
+time_to_first_token_seconds                histogram  model, backend
+time_per_output_token_seconds              histogram  model, backend
+inter_token_latency_seconds                histogram  model, backend
+queue_time_seconds / prefill_time_seconds  histogram  model, backend (engine phases)
+/ decode_time_seconds
+prompt_tokens_total, completion_tokens_    counter    model, backend
+total, cached_prompt_tokens_total
+requests_running, requests_waiting         gauge      model (in the gateway: streaming /
+                                                      waiting for a first chunk)
+goodput_requests_total                     counter    model (ok and within [telemetry.slo])
+backend_requests_running / _waiting,       gauge      backend (from a backend's optional
+backend_kv_cache_usage_ratio,                         ``stats()``: the core engine)
+backend_prefix_cache_hit_rate
+cost_total                                 counter    model, api_key, tenant (builtin.cost)
+=========================================  =========  =====================================
+
+Only configured model aliases become label values (anything else is ``unknown``), so a
+client cannot grow the label set. OTel instruments: ``gen_ai.server.request.duration``,
+``gen_ai.server.time_to_first_token``, ``gen_ai.server.time_per_output_token``,
+``gen_ai.client.token.usage``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from plugins.builtin.genai_names import operation_name, provider_name
+from plugins.builtin.otel_env import build_meter_provider, metrics_export_wanted, shutdown_quietly
+from plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from backends.base import Backend, GenerationRequest
+    from backends.errors import InfermuxError
+    from gateway.config import InfermuxConfig
+    from gateway.observability_config import SloConfig
+    from plugins.request_summary import RequestSummary
+
+__all__ = ["BackendStatsCollector", "MetricsPlugin", "create_plugin"]
+
+logger = logging.getLogger("plugins.metrics")
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+
+#: backend.stats() key -> (metric name, help).
+_STATS = {
+    "num_running": ("infermux_backend_requests_running", "Requests the engine is running"),
+    "num_waiting": ("infermux_backend_requests_waiting", "Requests waiting in the engine queue"),
+    "kv_cache_usage": (
+        "infermux_backend_kv_cache_usage_ratio",
+        "Fraction of the engine's KV-cache blocks in use (0..1)",
+    ),
+    "prefix_cache_hit_rate": (
+        "infermux_backend_prefix_cache_hit_rate",
+        "Fraction of prompt tokens served from the engine's prefix cache (0..1)",
+    ),
+}
+
+
+class BackendStatsCollector(Collector):
+    """Reads each backend's optional ``stats() -> dict`` at scrape time (core engine)."""
+
+    def __init__(self, backends: Mapping[str, Backend]) -> None:
+        self._backends = backends
+
+    def describe(self) -> list[Any]:
+        return []  # names depend on the backends; nothing to reserve
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {
+            key: GaugeMetricFamily(name, doc, labels=["backend"])
+            for key, (name, doc) in _STATS.items()
+        }
+        for name, backend in list(self._backends.items()):
+            stats_of = getattr(backend, "stats", None)
+            if not callable(stats_of):
+                continue
+            try:
+                stats = stats_of()
+            except Exception:
+                logger.debug("stats() of backend %r raised", name, exc_info=True)
+                continue
+            if not isinstance(stats, Mapping):
+                continue
+            for key, family in families.items():
+                value = stats.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    family.add_metric([name], float(value))
+        yield from families.values()
+
+
+class _Prometheus:
+    """The Prometheus instruments of one app."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        mb = ["model", "backend"]
+        self.requests = Counter(
+            "infermux_requests",
+            "Generation requests, by status (ok, or the error code)",
+            [*mb, "status"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "infermux_request_duration_seconds",
+            "End-to-end request latency (until the final bytes)",
+            [*mb, "status"],
+            buckets=_DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "infermux_time_to_first_token_seconds",
+            "Time to first token",
+            mb,
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "infermux_time_per_output_token_seconds",
+            "Mean time per output token after the first, per choice",
+            mb,
+            buckets=_TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "infermux_inter_token_latency_seconds",
+            "Time between consecutive output chunks",
+            mb,
+            buckets=_TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.phases = {
+            phase: Histogram(
+                f"infermux_{phase}_time_seconds",
+                f"Engine {phase} time (backends that report phases)",
+                mb,
+                buckets=_TTFT_BUCKETS,
+                registry=registry,
+            )
+            for phase in ("queue", "prefill", "decode")
+        }
+        self.prompt_tokens = Counter(
+            "infermux_prompt_tokens", "Prompt tokens", mb, registry=registry
+        )
+        self.completion_tokens = Counter(
+            "infermux_completion_tokens", "Completion tokens", mb, registry=registry
+        )
+        self.cached_tokens = Counter(
+            "infermux_cached_prompt_tokens",
+            "Prompt tokens served from a prefix cache",
+            mb,
+            registry=registry,
+        )
+        self.running = Gauge(
+            "infermux_requests_running",
+            "Choices streaming from a backend",
+            ["model"],
+            registry=registry,
+        )
+        self.waiting = Gauge(
+            "infermux_requests_waiting",
+            "Choices waiting for their first chunk (routing, queue, prefill)",
+            ["model"],
+            registry=registry,
+        )
+        self.goodput = Counter(
+            "infermux_goodput_requests",
+            "Successful requests that met every configured SLO ([telemetry.slo])",
+            ["model"],
+            registry=registry,
+        )
+
+
+class _OTel:
+    """The same measurements as OTel GenAI instruments."""
+
+    def __init__(self, provider: MeterProvider) -> None:
+        meter = provider.get_meter("infermux")
+        self.duration = meter.create_histogram(
+            "gen_ai.server.request.duration",
+            unit="s",
+            description="Generative AI server request duration",
+            explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
+        )
+        self.ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token",
+            unit="s",
+            description="Time to generate the first token",
+            explicit_bucket_boundaries_advisory=list(_TTFT_BUCKETS),
+        )
+        self.tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token",
+            unit="s",
+            description="Time per output token after the first",
+            explicit_bucket_boundaries_advisory=list(_TPOT_BUCKETS),
+        )
+        self.tokens = meter.create_histogram(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Input and output tokens used",
+            explicit_bucket_boundaries_advisory=list(_TOKEN_BUCKETS),
+        )
+
+
+class MetricsPlugin:
+    """See the module docstring. ``meter_provider`` (tests) replaces the env set-up."""
+
+    def __init__(
+        self,
+        *,
+        meter_provider: MeterProvider | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self._env = env if env is not None else os.environ
+        self._given_provider = meter_provider
+        self._owned_provider: MeterProvider | None = None
+        self._prom: _Prometheus | None = None
+        self._otel: _OTel | None = None
+        self._aliases: frozenset[str] | None = None
+        self._backend_kinds: dict[str, str] = {}
+        self._slo: SloConfig | None = None
+        #: request id -> {choice index: "waiting" | "running"}
+        self._choices: dict[str, dict[int, str]] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @hookimpl
+    def infermux_register_metrics(
+        self, registry: CollectorRegistry, backends: Mapping[str, Backend]
+    ) -> None:
+        self._prom = _Prometheus(registry)
+        registry.register(BackendStatsCollector(backends))
+
+    @hookimpl
+    def infermux_startup(self, config: InfermuxConfig) -> None:
+        self._aliases = frozenset(m.alias for m in config.models)
+        self._backend_kinds = {b.name: b.kind for b in config.backends}
+        self._slo = config.telemetry.slo
+        provider = self._given_provider
+        if provider is None and metrics_export_wanted(
+            config.telemetry.metrics.otel_export, self._env
+        ):
+            provider = self._owned_provider = build_meter_provider(
+                config.telemetry.service_name, self._env
+            )
+        if provider is not None:
+            self._otel = _OTel(provider)
+
+    @hookimpl
+    def infermux_shutdown(self) -> None:
+        provider, self._owned_provider = self._owned_provider, None
+        if provider is not None:
+            shutdown_quietly(provider.shutdown, "meter provider")
+
+    # -- the request path -----------------------------------------------------------------
+
+    def _model(self, alias: str) -> str:
+        if self._aliases is None or alias in self._aliases:
+            return alias
+        return "unknown"
+
+    @hookimpl
+    def infermux_on_request_start(self, requests: Sequence[GenerationRequest]) -> None:
+        if self._prom is None or not requests:
+            return
+        first = requests[0]
+        self._choices[first.request_id] = {r.choice_index: "waiting" for r in requests}
+        self._prom.waiting.labels(model=self._model(first.model)).inc(len(requests))
+
+    @hookimpl
+    def infermux_on_attempt_end(
+        self, request: GenerationRequest, error: InfermuxError | None
+    ) -> None:
+        if error is not None or self._prom is None:
+            return
+        choices = self._choices.get(request.request_id)
+        if choices is None or choices.get(request.choice_index) != "waiting":
+            return
+        choices[request.choice_index] = "running"
+        model = self._model(request.model)
+        self._prom.waiting.labels(model=model).dec()
+        self._prom.running.labels(model=model).inc()
+
+    @hookimpl
+    def infermux_on_request_end(self, summary: RequestSummary) -> None:
+        prom = self._prom
+        if prom is None:
+            return
+        request = summary.request
+        model = self._model(request.model)
+        for state in self._choices.pop(request.request_id, {}).values():
+            (prom.running if state == "running" else prom.waiting).labels(model=model).dec()
+        backend = ",".join(summary.backend_names) or "none"
+        status = "ok" if summary.status == "ok" else str(getattr(summary.error, "code", None))
+        prom.requests.labels(model=model, backend=backend, status=status).inc()
+        prom.duration.labels(model=model, backend=backend, status=status).observe(
+            summary.duration_s
+        )
+        usage = summary.usage
+        prom.prompt_tokens.labels(model=model, backend=backend).inc(usage.prompt_tokens)
+        prom.completion_tokens.labels(model=model, backend=backend).inc(usage.completion_tokens)
+        if usage.cached_tokens:
+            prom.cached_tokens.labels(model=model, backend=backend).inc(usage.cached_tokens)
+        for choice in summary.choices:
+            if choice.backend_name is None:
+                continue
+            labels = {"model": model, "backend": choice.backend_name}
+            if choice.ttft_s is not None:
+                prom.ttft.labels(**labels).observe(choice.ttft_s)
+            if choice.tpot_s is not None:
+                prom.tpot.labels(**labels).observe(choice.tpot_s)
+            itl = prom.itl.labels(**labels)
+            for gap in choice.inter_token_s:
+                itl.observe(gap)
+            phases = choice.phases
+            if phases is not None:
+                for name, value in (
+                    ("queue", phases.queued_s),
+                    ("prefill", phases.prefill_s),
+                    ("decode", phases.decode_s),
+                ):
+                    if value is not None:
+                        prom.phases[name].labels(**labels).observe(value)
+        if summary.status == "ok" and self._meets_slo(summary):
+            prom.goodput.labels(model=model).inc()
+        if self._otel is not None:
+            self._record_otel(self._otel, summary, model)
+
+    def _meets_slo(self, summary: RequestSummary) -> bool:
+        slo = self._slo
+        if slo is None:
+            return True
+        if slo.ttft_ms is not None and (
+            summary.ttft_s is None or summary.ttft_s * 1000 > slo.ttft_ms
+        ):
+            return False
+        # A one-token answer has no TPOT: nothing to miss.
+        return not (
+            slo.tpot_ms is not None
+            and summary.tpot_s is not None
+            and summary.tpot_s * 1000 > slo.tpot_ms
+        )
+
+    def _record_otel(self, otel: _OTel, summary: RequestSummary, model: str) -> None:
+        served = summary.backend_names
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": operation_name(summary.request.kind),
+            "gen_ai.request.model": model,
+            "gen_ai.provider.name": provider_name(
+                self._backend_kinds.get(served[0]) if served else None
+            ),
+        }
+        if summary.status != "ok":
+            error = summary.error
+            attributes["error.type"] = str(getattr(error, "code", None) or type(error).__name__)
+        otel.duration.record(summary.duration_s, attributes)
+        if summary.ttft_s is not None:
+            otel.ttft.record(summary.ttft_s, attributes)
+        if summary.tpot_s is not None:
+            otel.tpot.record(summary.tpot_s, attributes)
+        usage = summary.usage
+        for token_type, count in (
+            ("input", usage.prompt_tokens),
+            ("output", usage.completion_tokens),
+        ):
+            otel.tokens.record(count, {**attributes, "gen_ai.token.type": token_type})
+
+
+def create_plugin() -> MetricsPlugin:
+    """A fresh plugin for one plugin manager (one app)."""
+    return MetricsPlugin()
