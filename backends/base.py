@@ -87,6 +87,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     traceparent: str | None = None
     #: Free-form labels plugins may attach (routing hints, tenant tags).
     labels: dict[str, str] = {}
+    #: The id of the HTTP request this choice belongs to when it has several choices
+    #: (``n`` > 1 or a list of prompts: ``request_id`` is then ``<parent>.<index>``); None
+    #: when the request has one choice (``request_id`` is the HTTP request's id).
+    parent_request_id: str | None = None
 
 
 class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):

@@ -36,6 +36,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int | None = None
     #: Seed of the generator used by requests that bring no seed (None: nondeterministic).
     seed: int | None = None
+    #: torch.compile the pure-decode step (compiled at start-up: minutes on a small CPU; on
+    #: the dev machine it cut decode step time by roughly a fifth at batch 1 and 16).
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -81,7 +81,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.model_runner = ModelRunner(
-            model, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, device=config.device
+            model, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, device=config.device,
+            compile_decode=config.compile_decode, seed=config.seed,
         )
         self.eos_token_ids = frozenset(tokenizer.stop_token_ids)
         self._states: dict[str, _OutputState] = {}

@@ -7,6 +7,8 @@ to the forward pass).
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
@@ -18,6 +20,8 @@ from core_engine.sampler import Sampler, SamplingMetadata, compute_prompt_logpro
 from core_engine.scheduler import ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["ModelRunner"]
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -31,6 +35,8 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        compile_decode: bool = False,
+        seed: int | None = None,
     ) -> None:
         config: Any = model.config  # LlamaConfig
         self.model = model
@@ -47,7 +53,35 @@ class ModelRunner:
             device=self.device,
         )
         self.attn = PagedAttention(self.kv_cache, num_heads=config.num_heads)
-        self.sampler = Sampler()
+        self.sampler = Sampler(None if seed is None else torch.Generator(device=self.device).manual_seed(seed))
+        # Pure-decode steps (the steady state) may run a torch.compile'd forward: inductor fuses
+        # the norms, rotary and activation ops around the matmuls and removes most per-op
+        # dispatch. Steps with prefill chunks stay eager (their shapes vary too much).
+        self._decode_forward: Any = None
+        if compile_decode:
+            self._decode_forward = torch.compile(model, dynamic=True)
+            self._warm_up_decode()
+
+    @torch.inference_mode()
+    def _warm_up_decode(self) -> None:
+        """Compile now rather than on the first request: batch 1 and batch >1 specialise."""
+        started = time.perf_counter()
+        # Distinct sizes (3 sequences, 7 context tokens): dynamo gives equal sizes one symbol,
+        # and a graph traced with batch == context length would be recompiled later.
+        for num_seqs, position in ((1, 4), (3, 6)):
+            logger.info("compiling the decode step for batch %s (one-off, may take minutes)", "1" if num_seqs == 1 else "N")
+            self.attn.prepare(
+                build_attention_metadata(
+                    block_size=self.block_size,
+                    decodes=[(position, [0] * (position // self.block_size + 1))] * num_seqs,
+                    prefills=[],
+                    device=self.device,
+                    use_kernel=self.attn.uses_kernel,
+                )
+            )
+            ids = torch.zeros(num_seqs, dtype=torch.long, device=self.device)
+            self._decode_forward(ids, ids + position, self.attn, logits_indices=torch.arange(num_seqs, device=self.device))
+        logger.info("decode step compiled in %.0f s", time.perf_counter() - started)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -98,7 +132,8 @@ class ModelRunner:
                 use_kernel=self.attn.uses_kernel,
             )
         )
-        logits = self.model(
+        forward = self._decode_forward if self._decode_forward is not None and not prefills else self.model
+        logits = forward(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             self.attn,

@@ -94,7 +94,7 @@ class QuantizationPolicy(Protocol):
 
 
 class DefaultQuantizationPolicy:
-    """"auto" for everything, unless the model's name has an explicit override."""
+    """Every dtype "auto", unless the model's name has an explicit override."""
 
     def __init__(self, overrides: Mapping[str, QuantizationDecision] | None = None) -> None:
         self.overrides = dict(overrides or {})

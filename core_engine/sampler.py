@@ -161,7 +161,11 @@ def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
 
 
 class Sampler:
-    """Samples one token per row of the batch's logits."""
+    """Samples one token per row of the batch's logits. ``generator`` (optional) drives the rows
+    of requests that bring no seed of their own (an engine-wide seed)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
 
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits: (B, V) float32, one row per sampling request, in metadata order."""
@@ -194,11 +198,11 @@ class Sampler:
             unseeded = [i for i in range(md.num_rows) if i not in md.generators]
             if unseeded:
                 idx = torch.tensor(unseeded, device=logits.device)
-                sampled[idx] = torch.multinomial(probs.index_select(0, idx), 1).squeeze(1)
+                sampled[idx] = torch.multinomial(probs.index_select(0, idx), 1, generator=self.generator).squeeze(1)
             for i, gen in md.generators.items():
                 sampled[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
         else:
-            sampled = torch.multinomial(probs, 1).squeeze(1)  # (B,)
+            sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)  # (B,)
         if md.greedy_mask is not None:
             sampled = torch.where(md.greedy_mask, logits.argmax(dim=-1), sampled)
         return sampled

@@ -21,7 +21,9 @@ __all__ = ["SUBCOMMAND_MODULES", "build_parser", "main"]
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "gateway.commands.serve",
     "gateway.commands.plugins",
+    "gateway.commands.plugin_new",
     "gateway.commands.key",
+    "gateway.commands.usage",
     "gateway.bench.cli",
 )
 

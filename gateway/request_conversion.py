@@ -191,7 +191,11 @@ def _fan_out(
             # Engines key their work on request_id; choices must not collide.
             requests.append(
                 msgspec.structs.replace(
-                    template, request_id=f"{request_id}.{index}", choice_index=index, params=params
+                    template,
+                    request_id=f"{request_id}.{index}",
+                    parent_request_id=request_id,
+                    choice_index=index,
+                    params=params,
                 )
             )
     return requests

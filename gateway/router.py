@@ -286,6 +286,9 @@ class ModelRouter:
             )
         if last_error.retry_after is None and isinstance(last_error, BackendUnavailableError):
             last_error.retry_after = 1.0
+        if getattr(last_error, "backend_name", None) is None:
+            # on_error and the usage ledger name the last backend tried.
+            last_error.backend_name = attempts[-1].backend_name  # type: ignore[attr-defined]
         raise last_error
 
     def _order(self, route: _Route, request: GenerationRequest) -> list[str]:

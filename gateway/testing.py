@@ -27,6 +27,7 @@ import msgspec
 from backends.base import Backend, BackendConfig
 from gateway.app import create_app
 from gateway.config import (
+    AuthConfig,
     InfermuxConfig,
     LimitsConfig,
     PluginsConfig,
@@ -52,6 +53,7 @@ def gateway_config(
     server: ServerConfig | None = None,
     limits: LimitsConfig | None = None,
     plugins: PluginsConfig | None = None,
+    auth: AuthConfig | None = None,
 ) -> InfermuxConfig:
     """A validated config in one line: ``gateway_config(mock_backend("a"), mock_backend("b"))``.
 
@@ -73,7 +75,12 @@ def gateway_config(
             for alias, names in models.items()
         ],
     }
-    for key, value in (("server", server), ("limits", limits), ("plugins", plugins)):
+    for key, value in (
+        ("server", server),
+        ("limits", limits),
+        ("plugins", plugins),
+        ("auth", auth),
+    ):
         if value is not None:
             raw[key] = msgspec.to_builtins(value)
     # Through the real validation, so a test config is a config a user could write.

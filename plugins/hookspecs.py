@@ -153,11 +153,13 @@ def infermux_on_request_start(requests: Sequence[GenerationRequest]) -> None:
 
     Called once per ``POST /v1/chat/completions`` or ``/v1/completions`` that passed wire
     validation, before ``infermux_transform_request``, with one ``GenerationRequest`` per
-    choice as converted from the wire (they share ``request_id``; ``choice_index`` and the
-    seed differ). Every call is matched by exactly one ``infermux_on_request_end`` with the
-    same ``request_id``, whatever happens next (rejection, routing failure, disconnect), so a
-    plugin may keep per-request state between the two. Exceptions and timeouts are logged
-    and never affect the request. Return value ignored.
+    choice as converted from the wire (``choice_index`` and the seed differ; with several
+    choices each has its own ``request_id`` and they share ``parent_request_id``). Every
+    call is matched by exactly one ``infermux_on_request_end`` whatever happens next
+    (rejection, routing failure, disconnect); key per-request state on
+    ``plugins.request_summary.http_request_id(request)``, which is also what the attempt
+    hooks' requests and ``summary.request_id`` give. Exceptions and timeouts are logged and
+    never affect the request. Return value ignored.
     """
 
 

@@ -15,7 +15,19 @@ import msgspec
 
 from backends.base import EnginePhases, GenerationRequest, Usage
 
-__all__ = ["ChoiceOutcome", "ChoiceSummary", "RequestStatus", "RequestSummary"]
+__all__ = [
+    "ChoiceOutcome",
+    "ChoiceSummary",
+    "RequestStatus",
+    "RequestSummary",
+    "http_request_id",
+]
+
+
+def http_request_id(request: GenerationRequest) -> str:
+    """The id of the HTTP request a choice belongs to (its ``x-request-id``): the key that
+    ties ``on_request_start``, the attempts of every choice and ``on_request_end`` together."""
+    return request.parent_request_id or request.request_id
 
 #: How one choice ended: "finished" (normal end), "failed" (an error, the request's or a
 #: backend's), "aborted" (the client went away, or a sibling choice failed), "rejected"
@@ -78,6 +90,11 @@ class RequestSummary(msgspec.Struct, frozen=True, kw_only=True):
     #: (the built-in cost plugin runs first and sets ``"infermux.cost"``); the built-in
     #: tracing plugin copies every entry onto the request span. The dict is shared.
     attributes: dict[str, Any] = {}
+
+    @property
+    def request_id(self) -> str:
+        """The HTTP request's id (``x-request-id``)."""
+        return http_request_id(self.request)
 
     @property
     def num_choices(self) -> int:

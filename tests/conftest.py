@@ -22,6 +22,10 @@ import pytest
 
 from gateway.testing import LiveGateway, gateway_config, run_gateway
 
+# The plugin author's fixtures (plugin_manager, hook_recorder, plugin_gateway), as a plugin
+# package's own conftest would load them (docs/plugins.md).
+pytest_plugins = ["plugins.testing"]
+
 
 @pytest.fixture(scope="session")
 def live_gateway() -> Callable[..., AbstractContextManager[LiveGateway]]:

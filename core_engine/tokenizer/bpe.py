@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any
 
+from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate
 from core_engine.tokenizer.byte_level import decode_token_text, encode_bytes
 from core_engine.tokenizer.pre_tokenizer import PreTokenizer, pre_tokenizer_type
 
@@ -165,6 +166,17 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         """True for control and unknown tokens (hidden from output unless asked for)."""
         return self._types[token_id] in (TokenType.CONTROL, TokenType.UNKNOWN)
+
+    def make_chat_template(self) -> ChatTemplate:
+        """The file's chat template (ChatML when it has none) with its BOS/EOS token texts."""
+        def text(token_id: int | None) -> str:
+            return "" if token_id is None else self._id_to_text[token_id]
+
+        return ChatTemplate(
+            self.chat_template or FALLBACK_CHATML_TEMPLATE,
+            bos_token=text(self.bos_token_id),
+            eos_token=text(self.eos_token_id),
+        )
 
     # --- encoding -----------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from prometheus_client.registry import Collector
 from plugins.builtin.genai_names import operation_name, provider_name
 from plugins.builtin.otel_env import build_meter_provider, metrics_export_wanted, shutdown_quietly
 from plugins.hookspecs import hookimpl
+from plugins.request_summary import http_request_id
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
@@ -284,7 +285,7 @@ class MetricsPlugin:
         if self._prom is None or not requests:
             return
         first = requests[0]
-        self._choices[first.request_id] = {r.choice_index: "waiting" for r in requests}
+        self._choices[http_request_id(first)] = {r.choice_index: "waiting" for r in requests}
         self._prom.waiting.labels(model=self._model(first.model)).inc(len(requests))
 
     @hookimpl
@@ -293,7 +294,7 @@ class MetricsPlugin:
     ) -> None:
         if error is not None or self._prom is None:
             return
-        choices = self._choices.get(request.request_id)
+        choices = self._choices.get(http_request_id(request))
         if choices is None or choices.get(request.choice_index) != "waiting":
             return
         choices[request.choice_index] = "running"
@@ -308,7 +309,7 @@ class MetricsPlugin:
             return
         request = summary.request
         model = self._model(request.model)
-        for state in self._choices.pop(request.request_id, {}).values():
+        for state in self._choices.pop(summary.request_id, {}).values():
             (prom.running if state == "running" else prom.waiting).labels(model=model).dec()
         backend = ",".join(summary.backend_names) or "none"
         status = "ok" if summary.status == "ok" else str(getattr(summary.error, "code", None))

@@ -37,6 +37,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from plugins.builtin.genai_names import operation_name, provider_name
 from plugins.builtin.otel_env import build_tracer_provider, shutdown_quietly, tracing_wanted
 from plugins.hookspecs import hookimpl
+from plugins.request_summary import http_request_id
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -156,7 +157,7 @@ class TracingPlugin:
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p,
             "gen_ai.request.stream": first.stream,
-            "infermux.request_id": first.request_id,
+            "infermux.request_id": http_request_id(first),
         }
         if params.max_tokens is not None:
             attributes["gen_ai.request.max_tokens"] = params.max_tokens
@@ -178,14 +179,14 @@ class TracingPlugin:
             kind=SpanKind.SERVER,
             attributes=attributes,
         )
-        self._traces[first.request_id] = _Trace(root)
+        self._traces[http_request_id(first)] = _Trace(root)
 
     @hookimpl
     def infermux_on_attempt_start(
         self, request: GenerationRequest, backend_name: str, attempt: int
     ) -> str | None:
         tracer = self._tracer
-        state = self._traces.get(request.request_id)
+        state = self._traces.get(http_request_id(request))
         if tracer is None or state is None:
             return None
         choice = request.choice_index
@@ -233,7 +234,7 @@ class TracingPlugin:
         attempt: int,
         error: InfermuxError | None,
     ) -> None:
-        state = self._traces.get(request.request_id)
+        state = self._traces.get(http_request_id(request))
         if state is None:
             return
         choice = request.choice_index
@@ -258,7 +259,7 @@ class TracingPlugin:
     @hookimpl
     def infermux_on_request_end(self, summary: RequestSummary) -> None:
         tracer = self._tracer
-        state = self._traces.pop(summary.request.request_id, None)
+        state = self._traces.pop(summary.request_id, None)
         if state is None:
             return
         for span in state.attempts.values():  # the router always ends its tries; be safe
@@ -284,7 +285,7 @@ class TracingPlugin:
         served = summary.backend_names
         attributes: dict[str, Any] = {
             "gen_ai.response.id": f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-"
-            f"{request.request_id}",
+            f"{summary.request_id}",
             "gen_ai.response.model": request.model,
             "gen_ai.usage.input_tokens": summary.usage.prompt_tokens,
             "gen_ai.usage.output_tokens": summary.usage.completion_tokens,

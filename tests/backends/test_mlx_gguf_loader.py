@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType
 
-from backends.default_model import default_model_path
 from backends.mlx.gguf_loader import GGUFLoadError, load_gguf_model
+from backends.mlx.tokenizer import _byte_decoder
 
 Q4_0, Q4_1, Q5_0, Q8_0 = (
     GGMLQuantizationType.Q4_0,
@@ -38,12 +38,10 @@ def write_tiny_gguf(
     rope_factors: bool = False,
     architecture: str = "llama",
 ) -> Path:
-    """A 2-layer Llama (dim 64, 4 query / 2 KV heads) with the default model's vocabulary."""
-    source = gguf.GGUFReader(str(default_model_path()))
+    """A 2-layer Llama (dim 64, 4 query / 2 KV heads) with a 512-token byte-level vocabulary."""
     rng = np.random.default_rng(0)
     dim, ffn, num_heads, num_kv_heads, num_layers = 64, 128, 4, 2, 2
     head_dim = dim // num_heads
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
     writer = gguf.GGUFWriter(str(path), arch=architecture)
     writer.add_context_length(256)
     writer.add_embedding_length(dim)
@@ -54,13 +52,17 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(head_dim)
-    for key, field in source.fields.items():  # llama.cpp needs a real tokenizer to load
-        if key.startswith("tokenizer."):
-            value_type = field.types[0]
-            if value_type == gguf.GGUFValueType.ARRAY:
-                writer.add_key_value(key, field.contents(), value_type, sub_type=field.types[-1])
-            else:
-                writer.add_key_value(key, field.contents(), value_type)
+    # llama.cpp needs a tokenizer to load a model: the 256 byte tokens, a few words, BOS/EOS.
+    byte_chars = sorted(_byte_decoder(), key=_byte_decoder().__getitem__)
+    tokens = [*byte_chars, "Ġw", *(f"Ġw{i}" for i in range(253)), "<s>", "</s>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])  # NORMAL..., CONTROL, CONTROL
+    writer.add_token_merges(["Ġ w"])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    vocab = len(tokens)
 
     def add(name: str, shape: tuple[int, int], qtype: GGMLQuantizationType | None, std: float):
         values = (rng.standard_normal(shape) * std).astype(np.float32)

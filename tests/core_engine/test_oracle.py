@@ -140,6 +140,7 @@ def test_tiny_f32_logits_equal_llamacpp(tmp_path: Path, spec: TinyLlamaSpec) -> 
 @pytest.mark.parametrize(
     ("qtype", "tolerance"),
     [(Q.F16, 0.005), (Q.BF16, 0.03), (Q.Q8_0, 0.05), (Q.Q4_0, 0.05), (Q.Q4_1, 0.05)],
+    ids=["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"],
 )
 def test_tiny_quantized_logits_track_llamacpp(tmp_path: Path, qtype: Q, tolerance: float) -> None:
     path = write_llama_gguf(tmp_path / f"tiny-{qtype.name}.gguf", weight_type=qtype)

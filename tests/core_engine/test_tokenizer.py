@@ -71,6 +71,15 @@ def test_smollm2_metadata_rules(tokenizer: Tokenizer) -> None:
     assert tokenizer.chat_template is not None and "<|im_start|>" in tokenizer.chat_template
 
 
+def test_chat_template_from_metadata_renders_to_parsable_ids(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.make_chat_template().render(
+        [{"role": "user", "content": "Hi!"}], add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer.encode(prompt, parse_special=True)
+    assert ids.count(tokenizer.token_to_id("<|im_start|>")) == 3  # system, user, assistant
+
+
 def test_decode_equals_llamacpp_detokenize(tokenizer: Tokenizer, llama_vocab: llama_cpp.Llama) -> None:
     for text in CORPUS:
         ids = tokenizer.encode(text, add_special=False)

@@ -75,7 +75,7 @@ def test_plugins_lists_builtins_with_their_hooks() -> None:
     result = run("plugins")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["PLUGIN", "SOURCE", "STATUS", "HOOKS"]
+    assert lines[0].split() == ["PLUGIN", "VERSION", "SOURCE", "STATUS", "HOOKS"]
     kinds_row = next(line for line in lines if line.startswith("builtin.backend_kinds"))
     assert "builtin" in kinds_row and "loaded" in kinds_row
     assert "register_backend_kinds" in kinds_row
@@ -88,7 +88,7 @@ def test_plugins_lists_builtins_with_their_hooks() -> None:
 
 def test_plugins_lists_entry_point_plugins_and_reports_broken_ones(plugin_dist: Path) -> None:
     result = run("plugins", env={"PYTHONPATH": str(plugin_dist)})
-    assert result.returncode == 1  # a plugin failed to load
+    assert result.returncode == 0  # a failed plugin is reported and skipped (--strict: 1)
     good = next(line for line in result.stdout.splitlines() if line.startswith("good"))
     assert "entry point (fakeplugins 1.2)" in good
     assert "loaded" in good

@@ -31,6 +31,7 @@ from plugins.builtin.cost.budget import BudgetBook
 from plugins.builtin.cost.ledger import Ledger, LedgerError, UsageRecord, spent
 from plugins.builtin.cost.pricing import PriceBook, ShareMeter
 from plugins.hookspecs import hookimpl
+from plugins.request_summary import http_request_id
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Counter
@@ -63,7 +64,7 @@ class _Pending:
     def __init__(self) -> None:
         self.attempted = False
         self.hour_cost = 0.0
-        #: (request id, choice, attempt) -> backend, while in flight.
+        #: (choice's request id, attempt) -> backend, while in flight.
         self.in_flight: dict[Hashable, str] = {}
         self.last_backend: str | None = None
 
@@ -133,16 +134,16 @@ class CostPlugin:
     @hookimpl
     def infermux_on_request_start(self, requests: Sequence[GenerationRequest]) -> None:
         if self.ledger is not None and requests:
-            self._pending[requests[0].request_id] = _Pending()
+            self._pending[http_request_id(requests[0])] = _Pending()
 
     @hookimpl
     def infermux_on_attempt_start(
         self, request: GenerationRequest, backend_name: str, attempt: int
     ) -> None:
-        pending = self._pending.get(request.request_id)
+        pending = self._pending.get(http_request_id(request))
         if pending is None:
             return
-        key = (request.request_id, request.choice_index, attempt)
+        key = (request.request_id, attempt)
         self._meter.enter(backend_name, key)
         pending.in_flight[key] = backend_name
         pending.attempted = True
@@ -158,14 +159,14 @@ class CostPlugin:
     ) -> None:
         if error is None:
             return  # the choice streams from this backend until the request ends
-        pending = self._pending.get(request.request_id)
+        pending = self._pending.get(http_request_id(request))
         if pending is not None:
-            self._leave(pending, request.model, (request.request_id, request.choice_index, attempt))
+            self._leave(pending, request.model, (request.request_id, attempt))
 
     @hookimpl(tryfirst=True)
     async def infermux_on_request_end(self, summary: RequestSummary) -> None:
         request = summary.request
-        pending = self._pending.pop(request.request_id, None)
+        pending = self._pending.pop(summary.request_id, None)
         if pending is None:
             return
         for key in list(pending.in_flight):
@@ -209,7 +210,7 @@ def _record(summary: RequestSummary, cost: float, last_backend: str | None) -> U
     error: Any = summary.error
     served = summary.backend_names
     return UsageRecord(
-        request_id=request.request_id,
+        request_id=summary.request_id,
         created_at=summary.started_at,
         finished_at=time.time(),
         api_key_id=request.api_key_id,
