@@ -55,7 +55,7 @@ class DrainingServer(uvicorn.Server):
             self._drain_started = time.monotonic()
             self._gateway.draining = True
             logger.info(
-                "%s: draining; %d generation request(s) in flight get up to %.0f s "
+                "%s: draining; %d generation request(s) in flight get up to %g s "
                 "(signal again to stop at once)",
                 signal.Signals(sig).name,
                 self._gateway.admission.num_in_flight,
@@ -85,7 +85,7 @@ class DrainingServer(uvicorn.Server):
             elif now - self._drain_started >= self.drain_timeout_s:
                 tasks = list(self.server_state.tasks)
                 logger.warning(
-                    "drain window of %.0f s is over: cancelling %d request(s) still running",
+                    "drain window of %g s is over: cancelling %d request(s) still running",
                     self.drain_timeout_s,
                     in_flight,
                 )

@@ -262,7 +262,12 @@ class ModelRouter:
             circuit = self._circuits[name]
             if not circuit.try_acquire():
                 continue
-            stream = await self._attempt(name, circuit, request, attempts)
+            try:
+                stream = await self._attempt(name, circuit, request, attempts)
+            except InfermuxError as exc:  # not retryable: the client gets it now
+                if getattr(exc, "backend_name", None) is None:
+                    exc.backend_name = name  # type: ignore[attr-defined]
+                raise
             if stream is not None:
                 return stream
             last_error = attempts[-1].error
