@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=1500)
     parser.add_argument("--repeats", type=int, default=2, help="best of N for the short figures")
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step")
     parser.add_argument("--quick", action="store_true", help="reduced sizes: a proof run")
     parser.add_argument("--note", default="", help="free text stored in the JSON (machine state)")
     args = parser.parse_args()
@@ -163,7 +164,7 @@ def main() -> None:
             num_threads=args.threads,
             max_num_batched_tokens=max(512, args.prefill_len),
             max_num_seqs=max(args.concurrency),
-            kv_cache_memory_bytes=1 << 30,
+            kv_cache_memory_bytes=1 << 30, compile_decode=args.compile_decode,
         )
     )
     dtype = engine.model_runner.kv_cache.storage.dtype
@@ -346,6 +347,7 @@ def report(
         "model": model_name,
         "engine_dtype": dtype,
         "threads": args.threads,
+        "compile_decode": args.compile_decode,
         "llamacpp_mode": "llama-cpp-python low-level batch API (llama_batch, one seq_id per request)",
         "quick": args.quick,
         "output_len": args.output_len,

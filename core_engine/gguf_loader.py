@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from core_engine.model.config import LlamaConfig, RopeScaling
 from core_engine.model.llama import LlamaModel
+from core_engine.model.llamacpp_numerics import NUMERICS, LlamaCppModel, attach_llamacpp_numerics
 from core_engine.model.quant import dequantize
 from core_engine.tokenizer import Tokenizer
 
@@ -98,6 +99,10 @@ class GGUFFile:
     def has_tensor(self, name: str) -> bool:
         """True when the file holds a tensor called ``name``."""
         return name in self._tensors
+
+    def tensor(self, name: str) -> ReaderTensor:
+        """The raw record of tensor ``name`` (GGUF shape order, undecoded data)."""
+        return self._require(name)
 
     def tensor_type(self, name: str) -> GGMLQuantizationType:
         """GGML type of tensor ``name``."""
@@ -209,18 +214,28 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     show_progress: bool | None = None,
+    numerics: str = "exact",
 ) -> tuple[LlamaModel, LlamaConfig, Tokenizer]:
     """Read ``path`` and build the model, its config and its tokenizer.
 
     ``dtype``: compute/storage dtype of the weights (``None``: :func:`preferred_dtype`).
     ``show_progress``: a tqdm bar per layer (``None``: only on a terminal); the start and the
     end of the load are logged either way.
+    ``numerics``: ``"exact"`` (default) multiplies the exactly dequantised weights;
+    ``"llamacpp"`` builds a :class:`~core_engine.model.llamacpp_numerics.LlamaCppModel` that
+    reproduces llama.cpp's CPU arithmetic (8-bit activations, F16 KV; fp32 only) for oracle
+    comparisons.
     """
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
+    if numerics == "llamacpp" and dtype not in (None, torch.float32):
+        raise ValueError(f"dtype must be torch.float32 (or None) with numerics='llamacpp'; got {dtype}")
     started = time.perf_counter()
     gguf_file = GGUFFile(path)
     config = gguf_file.llama_config()
     tokenizer = gguf_file.tokenizer()
-    dtype = dtype or preferred_dtype(device)
+    dtype = torch.float32 if numerics == "llamacpp" else dtype or preferred_dtype(device)
+    model_class = LlamaCppModel if numerics == "llamacpp" else LlamaModel
     logger.info(
         "loading %s (%s, %d layers, hidden %d) as %s on %s",
         gguf_file.path.name, config.name or config.architecture, config.num_layers,
@@ -228,7 +243,7 @@ def load_model(
     )
     freq_factors = gguf_file.dequantized("rope_freqs.weight") if gguf_file.has_tensor("rope_freqs.weight") else None
     with torch.no_grad():
-        model = LlamaModel(
+        model = model_class(
             config,
             dtype=dtype,
             device=device,
@@ -248,6 +263,8 @@ def load_model(
             for idx in range(config.num_layers):
                 _fill_layer(model, gguf_file, idx)
                 steps.update(1)
+        if isinstance(model, LlamaCppModel):
+            attach_llamacpp_numerics(model, gguf_file)
     model.eval()
     logger.info("loaded %s in %.1f s", gguf_file.path.name, time.perf_counter() - started)
     return model, config, tokenizer

@@ -161,27 +161,34 @@ def build_attention_metadata(
     )
 
 
-def _load_kernels(device: torch.device) -> tuple[Callable[..., Tensor], Callable[..., None]] | None:
-    """The Triton decode + cache-write kernels when they run on ``device`` (CUDA), else None."""
-    if device.type != "cuda":
+def _load_kernels(
+    device: torch.device, use_kernels: bool | None
+) -> tuple[Callable[..., Tensor], Callable[..., None]] | None:
+    """The decode + cache-write kernels of ``core_engine.kernels`` (Triton where it runs), or
+    None for the torch path. ``use_kernels=None``: on CUDA only."""
+    if use_kernels is False or (use_kernels is None and device.type != "cuda"):
         return None
     from core_engine.kernels.dispatch import use_triton  # lazy: CPU users never import triton
 
-    if not use_triton(device):  # pragma: no cover - CUDA only
+    if not use_triton(device):
+        if use_kernels:
+            raise RuntimeError(f"Triton kernels do not run on {device} here (TRITON_INTERPRET=1 for CPU)")
         return None
-    from core_engine.kernels.cache_write import reshape_and_cache  # pragma: no cover
-    from core_engine.kernels.paged_attention import paged_attention_decode  # pragma: no cover
+    from core_engine.kernels.cache_write import reshape_and_cache
+    from core_engine.kernels.paged_attention import paged_attention_decode
 
-    return paged_attention_decode, reshape_and_cache  # pragma: no cover
+    return paged_attention_decode, reshape_and_cache
 
 
 class PagedAttention:
     """:class:`~core_engine.attention.AttentionContext` over a :class:`KVCache`.
 
     Call :meth:`prepare` with the step's :class:`AttentionMetadata` before the model forward.
+    ``use_kernels``: None picks the Triton kernels on CUDA and torch elsewhere; True forces the
+    kernels (on CPU under the Triton interpreter, for tests).
     """
 
-    def __init__(self, kv_cache: KVCache, *, num_heads: int) -> None:
+    def __init__(self, kv_cache: KVCache, *, num_heads: int, use_kernels: bool | None = None) -> None:
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.num_kv_heads = kv_cache.num_kv_heads
@@ -190,7 +197,7 @@ class PagedAttention:
         self.scale = kv_cache.head_dim**-0.5
         self.metadata: AttentionMetadata | None = None
         device = kv_cache.storage.device
-        kernels = _load_kernels(device)
+        kernels = _load_kernels(device, use_kernels)
         self._decode_kernel, self._cache_kernel = kernels if kernels is not None else (None, None)
 
     @property
@@ -206,7 +213,7 @@ class PagedAttention:
         assert md is not None, "PagedAttention.prepare() was not called"
         k_slots = self.kv_cache.k_slots[layer_idx]
         v_slots = self.kv_cache.v_slots[layer_idx]
-        if self._cache_kernel is not None:  # pragma: no cover - CUDA only
+        if self._cache_kernel is not None:
             self._cache_kernel(
                 k, v, self.kv_cache.k_caches[layer_idx], self.kv_cache.v_caches[layer_idx], md.slot_mapping
             )
@@ -228,9 +235,9 @@ class PagedAttention:
 
     def _decode(self, layer_idx: int, q: Tensor, md: AttentionMetadata) -> Tensor:
         num_d = q.shape[0]
-        if self._decode_kernel is not None:  # pragma: no cover - CUDA only
+        if self._decode_kernel is not None:
             return self._decode_kernel(
-                q, self.kv_cache.k_caches[layer_idx], self.kv_cache.v_caches[layer_idx],
+                q.contiguous(), self.kv_cache.k_caches[layer_idx], self.kv_cache.v_caches[layer_idx],
                 md.block_tables, md.context_lens, self.scale,
             )
         assert md.decode_slots is not None and md.decode_mask is not None
@@ -247,7 +254,9 @@ class PagedAttention:
     def _prefill(
         self, k_slots: Tensor, v_slots: Tensor, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan
     ) -> Tensor:
-        q_ = q.transpose(0, 1)  # (n_heads, Tq, hd)
+        # 4-D inputs: torch's CPU flash-attention kernel only takes batched tensors (3-D ones
+        # fall back to the math path, 3-4x slower on a 512-token prefill).
+        q_ = q.transpose(0, 1).unsqueeze(0)  # (1, n_heads, Tq, hd)
         if span.context_slots is None:
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
@@ -255,6 +264,7 @@ class PagedAttention:
             values = v_slots.index_select(0, span.context_slots).transpose(0, 1)
             mask, causal = span.mask, False
         out = F.scaled_dot_product_attention(
-            q_, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
-        )  # (n_heads, Tq, hd)
-        return out.transpose(0, 1)
+            q_, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
+            scale=self.scale, enable_gqa=True,
+        )  # (1, n_heads, Tq, hd)
+        return out[0].transpose(0, 1)

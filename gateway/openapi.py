@@ -21,6 +21,8 @@ gateway gives against this document.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from litestar import Litestar
 from litestar._openapi.plugin import OpenAPIPlugin
@@ -29,10 +31,8 @@ from litestar.openapi.spec import (
     OpenAPIMediaType,
     OpenAPIResponse,
     Reference,
-    Schema,
     SecurityScheme,
 )
-from litestar.openapi.spec.enums import OpenAPIType
 
 from gateway import schemas
 
@@ -104,16 +104,43 @@ def complete_openapi(app: Litestar) -> None:
                 )
             success = responses.get("200")
             if is_generation and isinstance(success, OpenAPIResponse) and success.content:
-                success.content["text/event-stream"] = OpenAPIMediaType(
-                    schema=Schema(
-                        type=OpenAPIType.STRING,
-                        description='Server-sent events: `data: {chunk}` frames, then '
-                        '`data: [DONE]` (or an error frame `data: {"error": ...}`)',
+                body = success.content.get("application/json")
+                ref = getattr(body.schema, "ref", "") if body is not None else ""
+                if ref:
+                    success.content["text/event-stream"] = OpenAPIMediaType(
+                        schema=_sse_event_schema(f"{ref}Chunk")  # ChatCompletion -> ...Chunk
                     )
-                )
             if path == "/ready" and isinstance(success, OpenAPIResponse):
                 responses["503"] = OpenAPIResponse(
                     description="Loading, failed or draining (same body as 200)",
                     content=success.content,
                 )
             operation.responses = responses
+
+
+def _sse_event_schema(chunk_ref: str) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1: the schema describes each event): ``data`` is a
+    chunk, the error envelope that ends a broken stream, or ``[DONE]``."""
+    return {
+        "type": "object",
+        "description": "Server-sent events: `data: {chunk}` frames, then `data: [DONE]`; "
+        'a stream that breaks after its first byte ends with `data: {"error": ...}` instead.',
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "anyOf": [
+                                {"$ref": chunk_ref},
+                                {"$ref": "#/components/schemas/ErrorResponse"},
+                            ]
+                        },
+                    },
+                ]
+            }
+        },
+    }

@@ -129,7 +129,7 @@ class _WrapperStream:
             "backend_name": self._backend_name,
             "call_next": self._call_next,
         }
-        result = self._impl.function(*[arguments[name] for name in self._impl.argnames])
+        result: Any = self._impl.function(*[arguments[name] for name in self._impl.argnames])
         if inspect.isawaitable(result) and not hasattr(result, "__anext__"):
             self._pending = result
             result = await result
@@ -140,7 +140,8 @@ class _WrapperStream:
             raise TypeError(
                 f"expected an async iterator of GenerationChunk or None, got {type(result).__name__}"
             )
-        return result  # type: ignore[no-any-return]
+        stream: AsyncIterator[GenerationChunk] = result
+        return stream
 
     async def aclose(self) -> None:
         self._closed = True

@@ -15,6 +15,9 @@ A minimal plugin::
         print(request.request_id, backend_name, usage)
 
 published under the entry-point group ``infermux`` (``[project.entry-points.infermux]``).
+The plugin author's guide, with an example per hook and the rules for async
+implementations, is docs/plugins.md (tests/plugins/test_hook_docs.py fails when a hook
+added here is missing from it).
 """
 
 from __future__ import annotations

@@ -229,6 +229,9 @@ class MLXBackend:
 
     def _shutdown_executor(self) -> None:
         if self._executor is not None:
+            # The last job: MLX's per-thread streams must go before their thread does, or
+            # the process may abort at exit (ml-explore/mlx#3126).
+            self._executor.submit(_release_thread_streams)
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
@@ -305,6 +308,13 @@ class MLXBackend:
             error.__cause__ = exc
             job.send(error)
         job.send(None)
+
+
+def _release_thread_streams() -> None:
+    import mlx.core as mx
+
+    mx.synchronize()
+    mx.clear_streams()
 
 
 def _load_directory(path: Path, dtype: Any) -> tuple[Any, Any, int | None]:

@@ -71,6 +71,9 @@ class LlamaModel(nn.Module):
     (uninitialised) weights of the right shapes.
     """
 
+    #: Layer type built by the constructor (subclasses swap in their own numerics).
+    decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(
         self,
         config: LlamaConfig,
@@ -85,7 +88,7 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=device, qkv_bias=qkv_bias)
+            self.decoder_layer_class(config, dtype=dtype, device=device, qkv_bias=qkv_bias)
             for _ in range(config.num_layers)
         )
         self.norm = _weight(config.hidden_size, dtype=dtype, device=device)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, PluginsConfig, config_from_dict
+from plugins.builtin.cost.plugin import ENV_LEDGER_PATH
 from plugins.manager import PluginLoadError, PluginRecord, create_plugin_manager
 from plugins.testing import HookRecorder, gateway_config
 
@@ -34,6 +35,12 @@ class Greeter:
 def create_plugin(settings):
     return Greeter(settings.get("greeting", "hello"))
 """
+
+
+@pytest.fixture(autouse=True)
+def private_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The built-in cost plugin's ledger (./var by default) stays in the test's directory.
+    monkeypatch.setenv(ENV_LEDGER_PATH, str(tmp_path / "ledger.sqlite3"))
 
 
 @pytest.fixture()
