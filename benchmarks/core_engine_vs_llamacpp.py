@@ -128,9 +128,27 @@ def engine_decode_1(engine: LLMEngine, prompt: list[int], n: int) -> float:
 # -- runs ---------------------------------------------------------------------------------
 
 
-def best_of(repeats: int, fn: Callable[[], float], *, higher_is_better: bool = True) -> float:
-    values = [fn() for _ in range(repeats)]
-    return max(values) if higher_is_better else min(values)
+#: CPU seconds used / (wall seconds x threads) per measured call: well below 1 means the
+#: process waited for cores that other work held (a noisy measurement).
+CPU_SHARE: list[float] = []
+
+
+def side_by_side(
+    repeats: int, engine_fn: Callable[[], float], llama_fn: Callable[[], float] | None
+) -> tuple[float, float | None]:
+    """Best of ``repeats`` (machine noise only ever slows a run down), engine and llama.cpp
+    alternating so that a noisy period hits both."""
+    engine_values: list[float] = []
+    llama_values: list[float] = []
+    for _ in range(repeats):
+        for fn, values in ((engine_fn, engine_values), (llama_fn, llama_values)):
+            if fn is None:
+                continue
+            wall, cpu = time.perf_counter(), time.process_time()
+            values.append(fn())
+            busy = (time.perf_counter() - wall) * torch.get_num_threads()
+            CPU_SHARE.append((time.process_time() - cpu) / max(busy, 1e-9))
+    return max(engine_values), (max(llama_values) if llama_values else None)
 
 
 def main() -> None:
@@ -144,14 +162,14 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--prefix-len", type=int, default=1500)
-    parser.add_argument("--repeats", type=int, default=2, help="best of N for the short figures")
+    parser.add_argument("--repeats", type=int, default=2, help="best of N runs per figure")
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step")
     parser.add_argument("--quick", action="store_true", help="reduced sizes: a proof run")
     parser.add_argument("--note", default="", help="free text stored in the JSON (machine state)")
     args = parser.parse_args()
     if args.quick:
-        args.concurrency, args.output_len, args.prefix_len, args.repeats = [16, 64], 32, 1500, 1
+        args.concurrency, args.output_len, args.prefix_len, args.repeats = [16, 64], 32, 1500, 2
 
     torch.set_num_threads(args.threads)
     model_path = args.model or default_model_path()
@@ -208,12 +226,15 @@ def main() -> None:
 
     print("single-stream decode...", flush=True)
     n = args.output_len
+    eng_tps, llama_tps = side_by_side(
+        args.repeats,
+        lambda: engine_decode_1(engine, short[0], n),
+        (lambda: (n - 1) / _llama_decode_time(llama, short[0], n)) if llama else None,
+    )
     results["decode_1"] = {
         "unit": "tok/s",
-        "engine": best_of(args.repeats, lambda: engine_decode_1(engine, short[0], n)),
-        "llamacpp": best_of(args.repeats, lambda: (n - 1) / _llama_decode_time(llama, short[0], n))
-        if llama
-        else None,
+        "engine": eng_tps,
+        "llamacpp": llama_tps,
         "engine_roofline": roofline(1, costs["weight_bytes"]),
         "llamacpp_roofline": roofline(1, gguf_bytes),
     }
@@ -232,10 +253,11 @@ def main() -> None:
         llama.prefill([prompt])
         return args.prefill_len / (time.perf_counter() - t)
 
+    eng_tps, llama_tps = side_by_side(args.repeats, engine_prefill, llama_prefill if llama else None)
     results[f"prefill_{args.prefill_len}"] = {
         "unit": "tok/s",
-        "engine": best_of(args.repeats, engine_prefill),
-        "llamacpp": best_of(args.repeats, llama_prefill) if llama else None,
+        "engine": eng_tps,
+        "llamacpp": llama_tps,
         "engine_roofline": machine["matmul_flops"] / costs["flops_per_token"],
         "llamacpp_roofline": machine["matmul_flops"] / costs["flops_per_token"],
     }
@@ -243,15 +265,19 @@ def main() -> None:
     for conc in args.concurrency:
         print(f"{conc} concurrent x {n} tokens...", flush=True)
         prompts = short[:conc]
-        engine.reset_prefix_cache()
-        wall, _ = engine_run(engine, prompts, n)
-        llama_tps = None
-        if llama:
-            _, llama_wall = llama.generate(prompts, n)
-            llama_tps = conc * n / llama_wall
+
+        def engine_batch(conc: int = conc, prompts: list[list[int]] = prompts) -> float:
+            engine.reset_prefix_cache()
+            return conc * n / engine_run(engine, prompts, n)[0]
+
+        def llama_batch(conc: int = conc, prompts: list[list[int]] = prompts) -> float:
+            assert llama is not None
+            return conc * n / llama.generate(prompts, n)[1]
+
+        eng_tps, llama_tps = side_by_side(args.repeats, engine_batch, llama_batch if llama else None)
         results[f"batch_{conc}"] = {
             "unit": "tok/s",
-            "engine": conc * n / wall,
+            "engine": eng_tps,
             "llamacpp": llama_tps,
             "engine_roofline": roofline(conc, costs["weight_bytes"]),
             "llamacpp_roofline": roofline(conc, gguf_bytes),
@@ -352,6 +378,7 @@ def report(
         "quick": args.quick,
         "output_len": args.output_len,
         "note": args.note,
+        "cpu_share_min_median": [min(CPU_SHARE), sorted(CPU_SHARE)[len(CPU_SHARE) // 2]] if CPU_SHARE else None,
         "machine": {**machine, "cpu": platform.processor() or platform.machine()},
         "costs": {**costs, "gguf_bytes": gguf_bytes},
         "targets": TARGETS,

@@ -130,7 +130,9 @@ class LLMEngine:
                     f"the prompt has {num_prompt} tokens; the context window is {self.max_model_len}",
                     param="prompt",
                 )
-            max_tokens = room
+            # "Until the context is full", and never more than the whole KV pool can hold.
+            kv = self.kv_cache_manager
+            max_tokens = max(1, min(room, kv.num_blocks * kv.block_size - num_prompt))
         elif params.max_tokens > room:
             raise RequestTooLongError(
                 f"this model's context window is {self.max_model_len} tokens; the prompt has "
@@ -144,7 +146,7 @@ class LLMEngine:
             raise RequestTooLongError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs more KV cache "
                 f"than the engine has ({kv.num_blocks * kv.block_size} tokens)",
-                param="max_tokens",
+                param="prompt" if kv.num_blocks_for(num_prompt + 1) > kv.num_blocks else "max_tokens",
             )
         request = Request(
             req_id, prompt_ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,

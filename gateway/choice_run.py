@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from backends.base import EnginePhases, GenerationChunk, GenerationRequest, Usage
@@ -181,10 +181,15 @@ class ChoiceRun:
         ]
         # When each choice got its first chunk (the tasks finish at different times).
         opened_at: dict[int, float] = {}
+
+        def stamp(position: int) -> Callable[[object], None]:
+            def done(_: object) -> None:
+                opened_at.setdefault(position, time.monotonic())
+
+            return done
+
         for position, task in enumerate(tasks):
-            task.add_done_callback(
-                lambda _, position=position: opened_at.setdefault(position, time.monotonic())
-            )
+            task.add_done_callback(stamp(position))
         try:
             _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:

@@ -19,6 +19,7 @@ from litestar import Request, Response
 from litestar.exceptions import (
     ClientException,
     HTTPException,
+    InternalServerException,
     MethodNotAllowedException,
     NotFoundException,
     SerializationException,
@@ -27,6 +28,7 @@ from litestar.exceptions import (
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from backends.errors import (
+    GenerationAbortedError,
     InfermuxError,
     InvalidRequestError,
     NotFoundError,
@@ -46,6 +48,8 @@ __all__ = [
 logger = logging.getLogger("gateway")
 
 _encoder = msgspec.json.Encoder()
+#: The detail of the ``InternalServerException`` Litestar raises when the body is cut short.
+_CLIENT_GONE = "client disconnected prematurely"
 
 
 class MethodNotAllowedError(InvalidRequestError):
@@ -78,6 +82,9 @@ def to_infermux_error(exc: BaseException, request_id: str | None = None) -> Infe
     ):
         detail = exc.detail if isinstance(exc, ClientException) else str(exc)
         return InvalidRequestError(f"the body is not valid JSON: {detail}", code="invalid_json")
+    if isinstance(exc, InternalServerException) and exc.detail == _CLIENT_GONE:
+        # Litestar's way of saying the body never arrived: nothing to log, nobody to answer.
+        return GenerationAbortedError("the client disconnected before its request was read")
     if isinstance(exc, RecursionError):
         # msgspec's decoder refuses absurdly deep nesting this way.
         return InvalidRequestError("the JSON body is nested too deeply", code="invalid_json")

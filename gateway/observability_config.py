@@ -108,9 +108,10 @@ class CostConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     #: SQLite file (WAL mode). None: ``$INFERMUX_LEDGER_PATH``, else ``var/ledger.sqlite3``
     #: (relative paths are relative to the working directory).
     ledger_path: str | None = None
-    #: "full": a record survives a power cut once its response completed; "normal": it
-    #: survives a crash of the process only (faster commits).
-    synchronous: Literal["full", "normal"] = "full"
+    #: "normal": a record survives a crash of the gateway (kill -9, OOM) once its response
+    #: completed, and a commit costs microseconds; "full": it also survives a power cut or
+    #: a kernel crash, for one fsync per group commit (milliseconds on many disks).
+    synchronous: Literal["full", "normal"] = "normal"
     currency: str = "USD"
     prices: list[PriceConfig] = []
     budgets: list[BudgetConfig] = []

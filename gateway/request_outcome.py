@@ -79,6 +79,7 @@ def failure_summary(
     """
     error = _as_error(exc)
     outcome: ChoiceOutcome
+    status: RequestStatus
     if isinstance(error, GenerationAbortedError):
         outcome, status = "aborted", "aborted"
     else:

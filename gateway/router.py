@@ -13,6 +13,9 @@ For one request (one choice) the router
    backend's ``first_byte_timeout``. A retryable :class:`BackendError` there (connection
    refused, 5xx, 429, timeout) counts against the backend's circuit and the next candidate
    is tried, up to ``max_retries`` extra attempts; any other error propagates at once.
+   Plugins hear about every try (``infermux_on_attempt_start`` / ``_end``: tracing spans,
+   the per-hour cost share); a ``traceparent`` answered by the first becomes the one sent
+   to that backend.
 
 Once the first chunk exists the request is committed to that backend: the gateway may
 already be sending bytes to the client, so no retry ever happens after it. A failure later

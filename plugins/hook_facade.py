@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pluggy
 
@@ -234,7 +234,7 @@ class PluginHooks:
             if inspect.isawaitable(result):
                 result = await result
             if result is not None:
-                return result  # type: ignore[no-any-return]
+                return cast("UsageReport", result)
         return None
 
     # -- lifecycle ----------------------------------------------------------------------

@@ -205,10 +205,11 @@ def infermux_on_attempt_end(
 def infermux_on_request_end(summary: RequestSummary) -> None:
     """An HTTP generation request ended; its final bytes are about to be sent (async-capable).
 
-    Called exactly once per ``infermux_on_request_start``, after every choice got its
-    ``infermux_on_response`` / ``infermux_on_error``, with a
-    :class:`~plugins.request_summary.RequestSummary` (status, per-choice outcomes and usage,
-    timings, engine phases). The gateway awaits every implementation *before* it sends
+    Called exactly once per ``infermux_on_request_start``, once the upstream work of every
+    choice has stopped, with a :class:`~plugins.request_summary.RequestSummary` (status,
+    per-choice outcomes and usage, timings, engine phases): it is self-contained, and the
+    per-choice ``infermux_on_response`` / ``infermux_on_error`` of streamed choices come
+    after it (they are sent once the response is out). The gateway awaits every implementation *before* it sends
     ``data: [DONE]``, the JSON body or the SSE error frame, so a plugin that must make a
     record durable before the client sees the end (the built-in cost ledger) awaits its
     commit here; keep it short, it is bounded by ``[plugins] hook_timeout_s``. Requests

@@ -1,10 +1,11 @@
 """What the gateway tells plugins when an HTTP generation request ends.
 
 One :class:`RequestSummary` per HTTP request (``POST /v1/chat/completions`` or
-``/v1/completions``), handed to ``infermux_on_request_end`` after every choice was reported
-through ``infermux_on_response`` / ``infermux_on_error`` and *before* the response's final
-bytes (``data: [DONE]``, the JSON body, or an SSE error frame) are sent. Times are measured
-by the gateway with a monotonic clock; ``started_at`` is wall-clock (unix seconds).
+``/v1/completions``), handed to ``infermux_on_request_end`` once the upstream work of every
+choice has stopped and *before* the response's final bytes (``data: [DONE]``, the JSON
+body, or an SSE error frame) are sent. It is self-contained: a plugin needs no per-choice
+hook to account for the request. Times are measured by the gateway with a monotonic clock;
+``started_at`` is wall-clock (unix seconds).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ mlx-lm. Nothing is ever downloaded: the hub is switched off before mlx-lm is use
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from backends.base import (
 from backends.errors import (
     BackendError,
     BackendUnavailableError,
+    GenerationAbortedError,
     InfermuxError,
     UnsupportedParameterError,
 )
@@ -109,6 +111,8 @@ class MLXBackend:
         self._executor: ThreadPoolExecutor | None = None
         self._runner: Any | None = None
         self._model_path: Path | None = None
+        #: Generations queued or running, so that ``aclose`` can cancel them.
+        self._jobs: set[_Job] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -218,14 +222,20 @@ class MLXBackend:
         return HealthStatus(ok=True, detail="loaded")
 
     async def aclose(self) -> None:
-        """Stop the worker thread after the current token and free the model."""
+        """Cancel queued and running generations, free the model, stop the worker thread."""
         runner, self._runner = self._runner, None
         executor = self._executor
         if executor is None:
             return
+        for job in list(self._jobs):
+            job.cancelled.set()
+            job.send(GenerationAbortedError(f"backend {self.name!r} was closed"))
+        loop = asyncio.get_running_loop()
         if runner is not None:
-            await asyncio.get_running_loop().run_in_executor(executor, runner.close)
+            await loop.run_in_executor(executor, runner.close)
         self._shutdown_executor()
+        # Join the worker: MLX's thread teardown must not overlap interpreter exit.
+        await loop.run_in_executor(None, functools.partial(executor.shutdown, wait=True))
 
     def _shutdown_executor(self) -> None:
         if self._executor is not None:
@@ -261,6 +271,7 @@ class MLXBackend:
             executor.submit(self._work, runner, job)
         except RuntimeError as exc:  # executor shut down between the check and here
             raise BackendUnavailableError(f"backend {self.name!r} is shutting down") from exc
+        self._jobs.add(job)
         try:
             while True:
                 item = await job.queue.get()
@@ -271,6 +282,7 @@ class MLXBackend:
                 yield item
         finally:
             job.cancelled.set()
+            self._jobs.discard(job)
 
     def _check_supported(self, request: GenerationRequest) -> None:
         """400 for what this backend cannot honour, before any work is queued."""

@@ -83,8 +83,11 @@ class MLXRunner:
         self.num_generated_tokens = 0
 
     def close(self) -> None:
+        """Free the model and the cache on this (the worker) thread, where MLX made them."""
         self._cache = None
         self._cache_tokens = []
+        self.model = None
+        mx.synchronize()
         mx.clear_cache()
 
     # -- prompt ---------------------------------------------------------------------------

@@ -367,6 +367,7 @@ def attach_llamacpp_numerics(
         assert isinstance(layer, LlamaCppDecoderLayer)
         layer.numerics = numerics
         if not numerics.quantize_activations:
+            layer.qkv_linear = layer.o_linear = layer.gate_up_linear = layer.down_linear = None
             continue
         p = f"blk.{idx}."
         layer.qkv_linear = _merge([

@@ -158,7 +158,7 @@ def format_report(report: Any) -> str:
             moment = datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
             filters.append(f"{name} {moment}")
     header = ("DAY", "REQUESTS", "FAILED", "INPUT", "CACHED", "OUTPUT", f"COST ({report.currency})")
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for day in report.per_day:
         rows.append(_row(day.date, day))
     rows.append(_row("TOTAL", report.totals))

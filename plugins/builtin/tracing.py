@@ -264,8 +264,8 @@ class TracingPlugin:
             return
         for span in state.attempts.values():  # the router always ends its tries; be safe
             span.end()
-        for choice, route in state.routes.items():  # no try answered this choice
-            route.set_attribute("infermux.retries", max(0, state.num_attempts.get(choice, 1) - 1))
+        for index, route in state.routes.items():  # no try answered this choice
+            route.set_attribute("infermux.retries", max(0, state.num_attempts.get(index, 1) - 1))
             if summary.error is not None:
                 _set_error(route, summary.error)
             route.end()

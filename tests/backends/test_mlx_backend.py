@@ -21,6 +21,7 @@ from backends.base import (
 from backends.errors import (
     BackendUnavailableError,
     ContextLengthExceededError,
+    GenerationAbortedError,
     UnsupportedParameterError,
 )
 from backends.mlx import create_backend
@@ -225,6 +226,22 @@ async def test_cancelled_consumer_stops_generation(backend: MLXBackend) -> None:
     await backend.wait_idle()
     generated = backend.num_generated_tokens - before
     assert generated <= received + 3, f"{generated} tokens generated, {received} consumed"
+
+
+async def test_closing_the_backend_aborts_running_and_queued_streams() -> None:
+    mlx = create_backend(BackendConfig(name="closing", kind="mlx", options={"n_ctx": 512}))
+    await mlx.start()
+    running = mlx.generate(_completion("Once upon a time", max_tokens=200, ignore_eos=True))
+    await anext(running)
+    queued = asyncio.create_task(anext(mlx.generate(_completion("Hello", max_tokens=5))))
+    await asyncio.sleep(0.2)  # the second request is now waiting behind the first
+    await mlx.aclose()
+    with pytest.raises(GenerationAbortedError):
+        async for _ in running:
+            pass
+    with pytest.raises(GenerationAbortedError):
+        await queued
+    assert (await mlx.health()).ok is False
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,10 @@ def test_requests_that_can_never_fit_are_rejected_up_front(tiny_path: Path) -> N
         engine.add_request("empty", [], SamplingParams())
     assert info.value.param == "prompt"
     assert not engine.has_unfinished_requests()
+    # No max_tokens: "until the context is full", capped to what the pool can ever hold.
+    open_ended = engine.add_request("open", [5] * 10, SamplingParams(max_tokens=None))
+    assert open_ended.max_tokens == 64 - 10
+    engine.abort_request("open")
 
 
 def test_identical_prompts_in_one_step_share_blocks_and_tokens(tiny_path: Path) -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
+from gateway.observability_config import CostConfig
 from plugins.hookspecs import hookimpl
 from plugins.manager import create_plugin_manager
 
@@ -108,3 +112,26 @@ def recording_plugins(*others: object) -> tuple[Any, Recorder]:
     recorder = Recorder()
     pm.register(recorder, name="recorder")
     return pm, recorder
+
+
+def with_ledger(config: Any, path: Path) -> Any:
+    """``config`` with the built-in cost plugin's usage ledger at ``path``."""
+    return msgspec.structs.replace(config, cost=CostConfig(ledger_path=str(path)))
+
+
+def ledger_rows(path: Path, request_id: str | None = None) -> list[dict[str, Any]]:
+    """The usage ledger's rows (all, or those of one HTTP request), read-only."""
+    if not path.exists():
+        return []
+    connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    connection.row_factory = sqlite3.Row
+    try:
+        if request_id is None:
+            rows = connection.execute("SELECT * FROM usage_records").fetchall()
+        else:
+            rows = connection.execute(
+                "SELECT * FROM usage_records WHERE request_id = ?", (request_id,)
+            ).fetchall()
+    finally:
+        connection.close()
+    return [dict(row) for row in rows]

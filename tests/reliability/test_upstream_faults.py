@@ -13,6 +13,7 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,9 +21,11 @@ import pytest
 from reliability_util import (
     assert_still_serving,
     envelope,
+    ledger_rows,
     recording_plugins,
     sse_frames,
     wait_until,
+    with_ledger,
 )
 from upstream_server import Behaviour, UpstreamServer, closed_port_url
 
@@ -83,11 +86,12 @@ def full_backlog_url() -> Iterator[str]:
 
 
 def test_refused_connections_are_503_and_open_then_half_open_the_circuit(
-    live_gateway: Any,
+    live_gateway: Any, tmp_path: Path
 ) -> None:
     settings = {"circuit_failure_threshold": 2, "circuit_cooldown_s": 1.0}
     config = config_with(remote("a", closed_port_url(), **settings), max_retries=0)
-    with live_gateway(config) as gw:
+    ledger = tmp_path / "ledger.sqlite3"
+    with live_gateway(with_ledger(config, ledger)) as gw:
         for _ in range(2):
             error_response = ask(gw)
             error = envelope(error_response, 503)
@@ -103,16 +107,24 @@ def test_refused_connections_are_503_and_open_then_half_open_the_circuit(
         assert circuits(gw)["a"] == "open"
         assert circuits(gw)["mock"] == "closed"
         assert_still_serving(gw)
+    # A usage record for each request that reached a backend: not the one the open circuit
+    # answered without trying.
+    remote_rows = [r for r in ledger_rows(ledger) if r["model"] == "remote"]
+    assert len(remote_rows) == 3
+    assert {(r["status"], r["error_code"], r["backend"]) for r in remote_rows} == {
+        ("error", "backend_unavailable", "a")
+    }
 
 
 def test_a_dropped_connection_falls_back_before_the_first_byte(
-    live_gateway: Any, upstream_servers: StartUpstream
+    live_gateway: Any, upstream_servers: StartUpstream, tmp_path: Path
 ) -> None:
     a = upstream_servers(Behaviour(mode="close_without_response"), name="a")
     b = upstream_servers(name="b")
     pm, recorder = recording_plugins()
     config = config_with(remote("a", a.base_url), remote("b", b.base_url))
-    with live_gateway(config, plugin_manager=pm) as gw:
+    ledger = tmp_path / "ledger.sqlite3"
+    with live_gateway(with_ledger(config, ledger), plugin_manager=pm) as gw:
         for stream in (False, True):
             response = ask(gw, stream=stream)
             assert response.status_code == 200
@@ -120,8 +132,10 @@ def test_a_dropped_connection_falls_back_before_the_first_byte(
         assert (a.num_requests, b.num_requests) == (2, 2)
         wait_until(lambda: len(recorder.responses) == 2)
         assert {r["backend"] for r in recorder.responses} == {"b"}
-        assert recorder.errors == []  # the failed tries are not choices: no usage record
-        assert_still_serving(gw)
+        assert recorder.errors == []  # the failed tries are not choices of their own
+        rows = ledger_rows(ledger)
+        assert [(r["status"], r["backend"]) for r in rows] == [("ok", "b"), ("ok", "b")]
+        assert all(r["output_tokens"] == len(WORDS.split()) for r in rows)
 
 
 def test_connect_timeout_is_504_and_falls_back(
@@ -150,18 +164,21 @@ def test_connect_timeout_is_504_and_falls_back(
 
 @pytest.mark.parametrize("mode", ["stall_before_headers", "stall_before_first_chunk"])
 def test_first_byte_timeout_is_504_and_cancels_the_upstream_request(
-    live_gateway: Any, upstream_servers: StartUpstream, mode: str
+    live_gateway: Any, upstream_servers: StartUpstream, mode: str, tmp_path: Path
 ) -> None:
     a = upstream_servers(Behaviour(mode=mode), name="a")  # type: ignore[arg-type]
     pm, recorder = recording_plugins()
     config = config_with(remote("a", a.base_url, first_byte_timeout=0.4))
-    with live_gateway(config, plugin_manager=pm) as gw:
+    ledger = tmp_path / "ledger.sqlite3"
+    with live_gateway(with_ledger(config, ledger), plugin_manager=pm) as gw:
         for stream in (False, True):
             error = envelope(ask(gw, stream=stream), 504)
             assert (error["code"], error["type"]) == ("upstream_timeout", "server_error")
         a.wait_until(lambda: a.num_disconnects == 2)  # both upstream requests were cancelled
         wait_until(lambda: len(recorder.errors) == 2)
         assert all(r["backend"] == "a" and r["usage"] is None for r in recorder.errors)
+        rows = ledger_rows(ledger)
+        assert [(r["error_code"], r["output_tokens"]) for r in rows] == [("upstream_timeout", 0)] * 2
         assert_still_serving(gw)
 
 
@@ -247,14 +264,15 @@ def _content(frames: list[str]) -> str:
 
 
 def test_upstream_death_mid_stream_is_an_error_frame_with_partial_usage_once(
-    live_gateway: Any, upstream_servers: StartUpstream
+    live_gateway: Any, upstream_servers: StartUpstream, tmp_path: Path
 ) -> None:
     a = upstream_servers(Behaviour(mode="die_mid_stream", after_chunks=2), name="a")
     b = upstream_servers(name="b")
     pm, recorder = recording_plugins()
     settings = {"circuit_failure_threshold": 1, "circuit_cooldown_s": 60.0}
     config = config_with(remote("a", a.base_url, **settings), remote("b", b.base_url))
-    with live_gateway(config, plugin_manager=pm) as gw:
+    ledger = tmp_path / "ledger.sqlite3"
+    with live_gateway(with_ledger(config, ledger), plugin_manager=pm) as gw:
         response = ask(gw, stream=True)
         frames = sse_frames(response)
         request_id = response.headers["x-request-id"]
@@ -270,17 +288,21 @@ def test_upstream_death_mid_stream_is_an_error_frame_with_partial_usage_once(
         (record,) = recorder.records_of(request_id)
         assert record["backend"] == "a"
         assert record["usage"].completion_tokens == 2  # the partial usage
+        (row,) = ledger_rows(ledger, request_id)  # one ledger record, committed once
+        assert (row["status"], row["backend"], row["output_tokens"]) == ("error", "a", 2)
         assert circuits(gw)["a"] == "open"  # a mid-stream death counts against the circuit
         assert ask(gw).headers["x-infermux-backend"] == "b"
         assert_still_serving(gw)
 
 
 def test_upstream_death_without_stream_is_502_with_partial_usage_once(
-    live_gateway: Any, upstream_servers: StartUpstream
+    live_gateway: Any, upstream_servers: StartUpstream, tmp_path: Path
 ) -> None:
     a = upstream_servers(Behaviour(mode="die_mid_stream", after_chunks=3), name="a")
     pm, recorder = recording_plugins()
-    with live_gateway(config_with(remote("a", a.base_url)), plugin_manager=pm) as gw:
+    ledger = tmp_path / "ledger.sqlite3"
+    config = with_ledger(config_with(remote("a", a.base_url)), ledger)
+    with live_gateway(config, plugin_manager=pm) as gw:
         response = ask(gw)
         assert envelope(response, 502)["code"] == "backend_error"
         request_id = response.headers["x-request-id"]
@@ -288,16 +310,19 @@ def test_upstream_death_without_stream_is_502_with_partial_usage_once(
         time.sleep(0.2)
         (record,) = recorder.records_of(request_id)
         assert record["usage"].completion_tokens == 3
+        (row,) = ledger_rows(ledger, request_id)
+        assert (row["status"], row["error_code"], row["output_tokens"]) == ("error", "backend_error", 3)
         assert_still_serving(gw)
 
 
 def test_a_stalled_stream_ends_with_stream_idle_timeout_and_cancels_upstream(
-    live_gateway: Any, upstream_servers: StartUpstream
+    live_gateway: Any, upstream_servers: StartUpstream, tmp_path: Path
 ) -> None:
     a = upstream_servers(Behaviour(mode="stall_mid_stream", after_chunks=2), name="a")
     pm, recorder = recording_plugins()
     config = config_with(remote("a", a.base_url, idle_timeout=0.5))
-    with live_gateway(config, plugin_manager=pm) as gw:
+    ledger = tmp_path / "ledger.sqlite3"
+    with live_gateway(with_ledger(config, ledger), plugin_manager=pm) as gw:
         response = ask(gw, stream=True)
         frames = sse_frames(response)
         assert "[DONE]" not in frames
@@ -310,6 +335,8 @@ def test_a_stalled_stream_ends_with_stream_idle_timeout_and_cancels_upstream(
         (record,) = recorder.records_of(request_id)
         assert isinstance(record["error"], StreamIdleTimeoutError)
         assert record["usage"].completion_tokens == 2
+        (row,) = ledger_rows(ledger, request_id)
+        assert (row["error_code"], row["output_tokens"]) == ("stream_idle_timeout", 2)
         assert_still_serving(gw)
 
 
@@ -358,11 +385,13 @@ def test_total_and_idle_timeouts_hold_for_in_process_backends(live_gateway: Any)
 
 
 def test_client_disconnect_mid_stream_aborts_upstream_and_records_once(
-    live_gateway: Any, upstream_servers: StartUpstream
+    live_gateway: Any, upstream_servers: StartUpstream, tmp_path: Path
 ) -> None:
     a = upstream_servers(Behaviour(reply=" ".join(["w"] * 200), chunk_delay_s=0.05), name="a")
     pm, recorder = recording_plugins()
-    with live_gateway(config_with(remote("a", a.base_url)), plugin_manager=pm) as gw:
+    ledger = tmp_path / "ledger.sqlite3"
+    config = with_ledger(config_with(remote("a", a.base_url)), ledger)
+    with live_gateway(config, plugin_manager=pm) as gw:
         body = {"model": "remote", "stream": True, "messages": [{"role": "user", "content": "x"}]}
         with httpx.stream("POST", f"{gw}/v1/chat/completions", json=body, timeout=60) as r:
             request_id = r.headers["x-request-id"]
@@ -378,6 +407,10 @@ def test_client_disconnect_mid_stream_aborts_upstream_and_records_once(
         assert isinstance(record["error"], GenerationAbortedError)
         assert 1 <= record["usage"].completion_tokens < 200
         assert a.requests[-1].outcome == "disconnected"
+        wait_until(lambda: len(ledger_rows(ledger, request_id)) == 1)
+        (row,) = ledger_rows(ledger, request_id)
+        assert (row["status"], row["error_code"]) == ("aborted", "request_aborted")
+        assert row["output_tokens"] == record["usage"].completion_tokens
         print(f"upstream saw the disconnect {seen_after_s:.2f} s after the client left")
         assert_still_serving(gw)
 

@@ -4,9 +4,10 @@ Writes go through one writer thread with a queue: each :meth:`Ledger.write` enqu
 record and awaits a future; the thread takes everything queued (a *group commit*: one
 transaction and one fsync for all of them), commits, then resolves the futures. So the
 event loop never blocks on the disk, concurrent requests share fsyncs, and a caller that
-awaited :meth:`Ledger.write` knows its record is committed (WAL mode; ``synchronous=FULL``
-by default, so it survives a power cut; ``NORMAL`` survives a killed process). A crashed
-process leaves a WAL file that SQLite replays on the next open.
+awaited :meth:`Ledger.write` knows its record is committed (WAL mode: with
+``synchronous=NORMAL``, the default, it survives a killed process; with ``FULL`` also a
+power cut, for one fsync per group commit). A crashed process leaves a WAL file that SQLite
+replays on the next open.
 
 Schema (``PRAGMA user_version = 1``), documented in docs/observability.md::
 
@@ -24,7 +25,7 @@ import sqlite3
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -132,7 +133,7 @@ class Ledger:
     """The ledger at ``path`` (created with its folder if missing); see the module docstring."""
 
     def __init__(
-        self, path: str | Path, *, synchronous: Literal["full", "normal"] = "full"
+        self, path: str | Path, *, synchronous: Literal["full", "normal"] = "normal"
     ) -> None:
         self.path = Path(path)
         try:
@@ -309,8 +310,8 @@ def query_usage(path: str | Path, query: UsageQuery, *, currency: str = "USD") -
         connection.close()
     return UsageReport(
         query=query,
-        totals=UsageTotals(**_sums(totals)),
-        per_day=[UsageDay(date=row[0], **_sums(row[1:])) for row in days],
+        totals=_sums(totals),
+        per_day=[UsageDay(date=row[0], **msgspec.structs.asdict(_sums(row[1:]))) for row in days],
         currency=currency,
     )
 
@@ -327,13 +328,13 @@ def spent(
     return report.totals.cost
 
 
-def _sums(row: tuple[object, ...]) -> dict[str, object]:
+def _sums(row: tuple[Any, ...]) -> UsageTotals:
     requests, failed, input_tokens, cached, output_tokens, cost = row
-    return {
-        "requests": int(requests),  # type: ignore[call-overload]
-        "failed_requests": int(failed),  # type: ignore[call-overload]
-        "input_tokens": int(input_tokens),  # type: ignore[call-overload]
-        "cached_input_tokens": int(cached),  # type: ignore[call-overload]
-        "output_tokens": int(output_tokens),  # type: ignore[call-overload]
-        "cost": float(cost),  # type: ignore[arg-type]
-    }
+    return UsageTotals(
+        requests=int(requests),
+        failed_requests=int(failed),
+        input_tokens=int(input_tokens),
+        cached_input_tokens=int(cached),
+        output_tokens=int(output_tokens),
+        cost=float(cost),
+    )
