@@ -4,8 +4,8 @@ The gateway runs in this process (uvicorn on a free loopback port, real HTTP, th
 plugins with the usage ledger in a temporary file); the load comes from a child process
 (``--client`` mode) so that the figures measured here are the server's own. The mix:
 chat and completions, streaming and not, ``n`` = 2, invalid requests (400) and unknown
-models (404); ``--disconnect-ratio`` of the valid requests are abandoned by the client (a
-stream after its first frames, a plain request after a few milliseconds).
+models (404); ``--disconnect-ratio`` of all requests (all drawn among the valid ones) are
+abandoned by the client: a stream after its first frames, a plain request after 10 ms.
 
 After a warm-up and after the soak, once the gateway is idle again, it measures open file
 descriptors, asyncio tasks and threads of the server, and its RSS. Checks:
@@ -61,14 +61,23 @@ RSS_GROWTH_LIMIT = 0.10
 
 # -- the client (a child process) ---------------------------------------------------------
 
+#: The request mix (relative weights); the last two are refused before any backend work.
+_MIX = {
+    "chat_stream": 30,
+    "chat": 25,
+    "completion_stream": 10,
+    "completion": 10,
+    "chat_n2": 10,
+    "invalid": 8,
+    "unknown": 7,
+}
+_REFUSED = ("invalid", "unknown")
+
 
 def _request_plan(index: int, rng: random.Random, disconnect_ratio: float) -> dict[str, Any]:
     """One request of the mix: endpoint, body, whether the client abandons it."""
     words = " ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randint(3, 40)))
-    kind = rng.choices(
-        ["chat_stream", "chat", "completion_stream", "completion", "chat_n2", "invalid", "unknown"],
-        weights=[30, 25, 10, 10, 10, 8, 7],
-    )[0]
+    kind = rng.choices(list(_MIX), weights=list(_MIX.values()))[0]
     max_tokens = rng.randint(4, 24)
     if kind.startswith("chat"):
         path = "/v1/chat/completions"
@@ -87,12 +96,14 @@ def _request_plan(index: int, rng: random.Random, disconnect_ratio: float) -> di
         body["temperature"] = 7
     if kind == "unknown":
         body["model"] = f"missing-{index}"
-    valid = kind not in ("invalid", "unknown")
+    valid = kind not in _REFUSED
+    # Only requests that do work can be abandoned mid-way: they carry the whole ratio.
+    valid_share = sum(w for k, w in _MIX.items() if k not in _REFUSED) / sum(_MIX.values())
     return {
         "kind": kind,
         "path": path,
         "body": body,
-        "disconnect": valid and rng.random() < disconnect_ratio,
+        "disconnect": valid and rng.random() < disconnect_ratio / valid_share,
     }
 
 

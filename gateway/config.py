@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from backends import mlx as mlx_backend
 from backends.base import BackendConfig
 from backends.default_model import DEFAULT_MODEL_ALIAS, default_model_path
 from gateway.observability_config import CostConfig, TelemetryConfig, validate_observability
@@ -179,13 +180,18 @@ def default_backends() -> list[BackendConfig]:
         model_path = default_model_path()
     except FileNotFoundError as exc:
         raise ConfigError(f"backends[0].options.model_path: {exc}") from exc
-    return [
+    backends = [
         BackendConfig(
             name="llamacpp",
             kind="llamacpp",
             options={"model_path": str(model_path), "n_ctx": 2048, "n_threads": 2},
         ),
     ]
+    # MLX serves the same file when the `mlx` extra is installed (a cheap check: nothing
+    # of MLX is imported here); without it the alias is served by the others.
+    if mlx_backend.is_installed():
+        backends.append(mlx_backend.default_backend_config(model_path))
+    return backends
 
 
 def default_config() -> InfermuxConfig:

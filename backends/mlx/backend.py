@@ -337,7 +337,7 @@ def _load_directory(path: Path, dtype: Any) -> tuple[Any, Any, int | None]:
 
     from backends.mlx.tokenizer import HFTokenizer
 
-    model, wrapper, config = load(str(path), return_config=True)
+    model, wrapper, config = load(str(path), return_config=True)  # type: ignore[misc]
     # Float parameters in the requested type; quantized weights stay packed.
     model.update(
         tree_map(

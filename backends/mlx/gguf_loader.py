@@ -71,7 +71,7 @@ class GGUFModel:
 def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], bool]:
     """Tensors and metadata of ``path``; the flag says whether the gguf-py fallback was used."""
     try:
-        tensors, raw_metadata = mx.load(str(path), return_metadata=True)
+        loaded: Any = mx.load(str(path), return_metadata=True)
     except RuntimeError as exc:
         # MLX refuses the whole file when one tensor has a type it cannot read.
         logger.warning(
@@ -79,6 +79,7 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], bool]:
         )
         tensors, metadata = _read_with_gguf_py(path)
         return tensors, metadata, True
+    tensors, raw_metadata = loaded
     return tensors, {key: _python_value(value) for key, value in raw_metadata.items()}, False
 
 
@@ -128,7 +129,7 @@ def _model_args(
             f"partial rotary embeddings ({arch}.rope.dimension_count={rope_dims}, head "
             f"dimension {head_dim}) are not supported"
         )
-    rope_scaling = None
+    rope_scaling: dict[str, float | str] | None = None
     scaling_type = metadata.get(f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
         rope_scaling = {"type": "linear", "factor": float(get("rope.scaling.factor"))}

@@ -1,8 +1,9 @@
 """The blocking half of the MLX backend: prompts, the prompt cache and the token loop.
 
-Everything here runs on the backend's one worker thread: MLX's random state is global, so
-generations run one after another (a seeded request is reproducible only if nothing else
-draws from the RNG meanwhile), and the single prompt cache belongs to that thread.
+Everything here runs on the backend's one worker thread, which owns the single prompt cache.
+MLX's random state is global to the process, so generations run one after another, across
+MLX backends too (a seeded request is reproducible only if nothing else draws from the RNG
+meanwhile).
 
 The token loop is mlx-lm's ``generate_step`` (prefill in chunks, then one token per step with
 the next step computed while the current token is handed out); this module adds stop strings
@@ -13,14 +14,14 @@ model's distribution after penalties, before temperature and truncation.
 from __future__ import annotations
 
 import random
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from backends._stop import StopBuffer
 from backends.base import (
@@ -38,6 +39,7 @@ from backends.errors import (
     UpstreamTimeoutError,
 )
 from backends.mlx import sampling
+from backends.mlx.prompt_cache import PromptCache
 from backends.mlx.tokenizer import MLXTokenizer
 from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
 
@@ -45,6 +47,11 @@ __all__ = ["MLXRunner"]
 
 #: A produced token: its id and, when asked for, its logprob entry.
 _Token = tuple[int, TokenLogprob | None]
+
+
+#: MLX's random state is process-wide: generations of every MLX backend in this process take
+#: turns, so that a seeded request is reproducible even with two MLX backends configured.
+_GENERATION_LOCK = threading.Lock()
 
 
 class _Cancelled(Exception):
@@ -69,23 +76,19 @@ class MLXRunner:
         self.n_ctx = n_ctx
         self.n_vocab: int = int(model.args.vocab_size)
         self._prefill_step_size = prefill_step_size
-        self._use_prompt_cache = use_prompt_cache
         self._default_seed = default_seed
         self.template = ChatTemplate(
             tokenizer.chat_template or FALLBACK_CHATML_TEMPLATE,
             bos_token=tokenizer.bos_text,
             eos_token=tokenizer.eos_text,
         )
-        # The KV cache of the previous generation and the tokens it holds, position by position.
-        self._cache: list[Any] | None = None
-        self._cache_tokens: list[int] = []
+        self._prompt_cache = PromptCache(enabled=use_prompt_cache)
         #: Tokens sampled since start, across requests (tests observe cancellation with it).
         self.num_generated_tokens = 0
 
     def close(self) -> None:
         """Free the model and the cache on this (the worker) thread, where MLX made them."""
-        self._cache = None
-        self._cache_tokens = []
+        self._prompt_cache.clear()
         self.model = None
         mx.synchronize()
         mx.clear_cache()
@@ -142,37 +145,6 @@ class MLXRunner:
             )
         return max_tokens
 
-    # -- prompt cache ---------------------------------------------------------------------
-
-    def _reuse_cache(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
-        """A KV cache holding the longest reusable prefix of ``tokens``, and its length."""
-        cache = self._cache
-        self._cache, self._cache_tokens = None, self._cache_tokens
-        if cache is None or not self._use_prompt_cache or not can_trim_prompt_cache(cache):
-            self._cache_tokens = []
-            return make_prompt_cache(self.model), 0
-        num_common = 0
-        for previous, current in zip(self._cache_tokens, tokens, strict=False):
-            if previous != current:
-                break
-            num_common += 1
-        # The last prompt token is always fed again: its logits are what is sampled from.
-        num_common = min(num_common, len(tokens) - 1)
-        trim_prompt_cache(cache, cache[0].offset - num_common)
-        self._cache_tokens = self._cache_tokens[:num_common]
-        return cache, num_common
-
-    def _keep_cache(self, cache: list[Any], fed: Sequence[int]) -> None:
-        """Remember ``cache``; ``fed`` lists the tokens given to the model, in order."""
-        if not self._use_prompt_cache:
-            return
-        offset = cache[0].offset
-        # generate_step feeds each token before handing it out, so the cache never holds a
-        # token we have not seen; it may lack the last one (max_tokens reached).
-        assert offset <= len(fed), (offset, len(fed))
-        self._cache = cache
-        self._cache_tokens = list(fed[:offset])
-
     # -- generation -----------------------------------------------------------------------
 
     def run(
@@ -182,6 +154,16 @@ class MLXRunner:
         is_cancelled: Callable[[], bool],
     ) -> None:
         """Generate one choice, handing each chunk to ``emit``; returns early when cancelled."""
+        with _GENERATION_LOCK:
+            if not is_cancelled():
+                self._run(request, emit, is_cancelled)
+
+    def _run(
+        self,
+        request: GenerationRequest,
+        emit: Callable[[GenerationChunk], None],
+        is_cancelled: Callable[[], bool],
+    ) -> None:
         params = request.params
         tokens = self.prompt_tokens(request)
         if not tokens:
@@ -195,7 +177,7 @@ class MLXRunner:
         seed = params.seed if params.seed is not None else self._default_seed
         mx.random.seed(seed if seed is not None else random.getrandbits(32))
 
-        cache, num_cached = self._reuse_cache(tokens)
+        cache, num_cached = self._prompt_cache.take(self.model, tokens)
         fed: list[int] = tokens[:num_cached]  # what the cache holds, then what is fed to it
         suffix = tokens[num_cached:]
         fed.extend(suffix)
@@ -233,14 +215,14 @@ class MLXRunner:
         except _Cancelled:
             pass  # cancelled during prefill: the cache holds the chunks done so far
         except BaseException:
-            self._cache, self._cache_tokens = None, []  # state unknown: start afresh next time
+            self._prompt_cache.clear()  # state unknown: start afresh next time
             raise
         finally:
             steps.close()
             # generate_step computes one step ahead; let it finish here rather than race the
             # next request (or interpreter exit, which MLX's worker threads do not survive).
             mx.synchronize(generation_stream)
-        self._keep_cache(cache, fed)
+        self._prompt_cache.keep(cache, fed)
 
     def _decode(
         self,

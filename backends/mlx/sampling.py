@@ -75,7 +75,7 @@ class _RepetitionPenalty:
         self._num_output = 0
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        output = tokens[self._num_fed_prompt :].tolist()
+        output: list[int] = tokens[self._num_fed_prompt :].tolist()  # type: ignore[assignment]
         self._seen.update(output[self._num_output :])
         self._num_output = len(output)
         if not self._seen:

@@ -118,9 +118,12 @@ def quantize_activations(x: Tensor, vec_dot_type: str) -> tuple[Tensor, Tensor |
     num_tokens, k = x.shape
     blocks = x.reshape(num_tokens, k // QK, QK)  # (T, K/32, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)  # (T, K/32, 1)
-    d = amax / 127.0
+    # Tensor/tensor division: torch turns division by (or of) a Python scalar into a
+    # multiplication by a reciprocal, which rounds differently from ggml's fp32 division.
+    c127 = torch.full_like(amax, 127.0)
+    d = torch.div(amax, c127)
     # ggml multiplies by 127/amax (not divides by d) and rounds half to even (_mm256_round_ps).
-    inv = torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax != 0, torch.div(c127, amax), torch.zeros_like(amax))
     q = torch.round(blocks * inv)  # (T, K/32, 32) integers in [-127, 127]
     d16 = _round_f16(d)
     xq = (q * d16).view(num_tokens, k)  # exact: int8 x fp16 fits fp32

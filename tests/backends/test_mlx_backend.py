@@ -204,6 +204,12 @@ async def test_closing_the_stream_stops_generation(backend: MLXBackend) -> None:
     await backend.wait_idle()
     generated = backend.num_generated_tokens - before
     assert generated <= 6, f"{generated} tokens generated for a stream closed after 3"
+    # What the abandoned stream left in the prompt cache is reused correctly.
+    greedy = _chat("Count from one to a thousand.", max_tokens=5, temperature=0)
+    warm = await _collect(backend, greedy)
+    assert warm[-1].usage is not None and warm[-1].usage.cached_tokens
+    await _collect(backend, _completion("Unrelated text.", max_tokens=1))
+    assert _text(await _collect(backend, greedy)) == _text(warm)
 
 
 async def test_cancelled_consumer_stops_generation(backend: MLXBackend) -> None:

@@ -167,9 +167,13 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 
 def test_default_config_serves_smollm2_through_llamacpp() -> None:
     config = default_config()
-    assert [(b.name, b.kind) for b in config.backends] == [("llamacpp", "llamacpp")]
+    # llama.cpp is the default (first in priority); the other engines serve the same file.
+    assert (config.backends[0].name, config.backends[0].kind) == ("llamacpp", "llamacpp")
+    assert {b.name: b.kind for b in config.backends}.items() <= {
+        "llamacpp": "llamacpp", "core_engine": "core_engine", "mlx": "mlx"
+    }.items()
     assert config.models[0].alias == DEFAULT_MODEL_ALIAS == "smollm2"
-    assert config.models[0].backends == ["llamacpp"]
+    assert config.models[0].backends == [b.name for b in config.backends]
     assert Path(config.backends[0].options["model_path"]).is_file()
     assert load_config(None, env={}) == config
 
@@ -191,3 +195,17 @@ def test_the_example_config_is_valid() -> None:
         routing_strategies=hooks.register_routing_strategies(),
     )
     assert config.models
+
+
+def test_the_deploy_config_is_valid() -> None:
+    from plugins.manager import PluginHooks, create_plugin_manager
+
+    hooks = PluginHooks(create_plugin_manager(load_entry_points=False))
+    config = load_config(
+        REPO / "deploy" / "gpu-pool.toml",
+        env={},
+        backend_kinds=hooks.register_backend_kinds(),
+        routing_strategies=hooks.register_routing_strategies(),
+    )
+    assert [m.alias for m in config.models] == ["smollm2"]
+    assert config.models[0].strategy == "least_outstanding"

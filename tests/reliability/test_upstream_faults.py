@@ -359,7 +359,7 @@ def test_total_and_idle_timeouts_hold_for_in_process_backends(live_gateway: Any)
         name="slow", kind="mock", options={"token_delay_s": 0.2}, total_timeout=0.7
     )
     stalled = BackendConfig(
-        name="stalled", kind="mock", options={"token_delay_s": 5.0}, idle_timeout=0.4
+        name="stalled", kind="mock", options={"token_delay_s": 1.5}, idle_timeout=0.4
     )
     config = gateway_config(
         mock_backend("mock"),

@@ -1,0 +1,61 @@
+"""Reusing the KV cache of the previous generation for the next prompt's common prefix.
+
+mlx-lm's KV caches can be trimmed from the end, so one cache is kept with the exact tokens it
+holds; the next prompt reuses the longest common prefix (the cache is trimmed to it) and only
+the rest is prefilled. A conversation's follow-up turn thus prefills only the new messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+__all__ = ["PromptCache"]
+
+
+class PromptCache:
+    """The last generation's KV cache and the tokens in it, position by position."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self._enabled = enabled
+        self._cache: list[Any] | None = None
+        self._tokens: list[int] = []
+
+    def take(self, model: Any, prompt: Sequence[int]) -> tuple[list[Any], int]:
+        """A KV cache of ``model`` with the longest reusable prefix of ``prompt``, and its length.
+
+        The cache is handed over: until :meth:`keep` gives it back, nothing is reused.
+        """
+        cache, self._cache = self._cache, None
+        if cache is None or not self._enabled or not can_trim_prompt_cache(cache):
+            self._tokens = []
+            return make_prompt_cache(model), 0
+        num_common = 0
+        for previous, current in zip(self._tokens, prompt, strict=False):
+            if previous != current:
+                break
+            num_common += 1
+        # The last prompt token is always fed again: its logits are what is sampled from.
+        num_common = min(num_common, len(prompt) - 1)
+        trim_prompt_cache(cache, cache[0].offset - num_common)
+        self._tokens = self._tokens[:num_common]
+        return cache, num_common
+
+    def keep(self, cache: list[Any], fed: Sequence[int]) -> None:
+        """Keep ``cache`` for the next prompt; ``fed`` lists the tokens given to the model."""
+        if not self._enabled:
+            return
+        # generate_step feeds each token to the model before handing it out; a token fed but
+        # never handed out (cancelled right after prefill) is unknown here: drop it.
+        excess = cache[0].offset - len(fed)
+        if excess > 0:
+            trim_prompt_cache(cache, excess)
+        self._cache = cache
+        self._tokens = list(fed[: cache[0].offset])
+
+    def clear(self) -> None:
+        """Forget the cache (its state is unknown after an error, or the model is closing)."""
+        self._cache = None
+        self._tokens = []
