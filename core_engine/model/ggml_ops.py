@@ -87,7 +87,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``rms_norm`` then ``mul``: fp32 squares summed in float64, ``1/sqrtf(mean + eps)``."""
     sq = (x * x).to(_F64)  # ggml squares in fp32, accumulates in double
     mean = (sq.sum(dim=-1, keepdim=True) / x.shape[-1]).to(_F32)
-    scale = div(1.0, torch.sqrt(mean + _f32(eps)))
+    # torch's fp32 sqrt is not always correctly rounded; fp64 sqrt rounded to fp32 is.
+    scale = div(1.0, torch.sqrt((mean + _f32(eps)).to(_F64)).to(_F32))
     return (x * scale) * weight
 
 
