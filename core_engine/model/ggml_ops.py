@@ -110,7 +110,7 @@ def _hsum_8(acc: Tensor) -> Tensor:
 def q8_lane_dot(
     qx: Tensor,
     dx: Tensor,
-    qw: Tensor,
+    w_lanes: Tensor,
     dw: Tensor,
     *,
     sx: Tensor | None = None,
@@ -119,16 +119,16 @@ def q8_lane_dot(
 ) -> Tensor:
     """ggml's x86 ``vec_dot_q4_1_q8_1`` / ``q8_0_q8_0`` / ``q4_0_q8_0`` for every (token, row).
 
-    qx (T, nb, 32) activation quants, dx (T, nb) their fp16 scales; qw (N, nb, 32) weight
-    quants (Q4_0 already minus 8), dw (N, nb) fp16 scales; for Q4_1 also sx (T, nb) the Q8_1
-    sums and mw (N, nb) the block minimums (all fp32 tensors holding exact values).
-    Order: 8 fp32 lanes of 4 consecutive products each, ``acc = fma(dw*dx, lane, acc)`` block
-    after block, ``hsum_float_8``, then ``+ sum_b m*s`` accumulated in block order.
+    qx (T, nb, 32) activation quants and dx (T, nb) their fp16 scales; w_lanes (nb*8, 4, N)
+    the weight quants of each row grouped in lanes of 4 consecutive values (Q4_0 already
+    minus 8) and dw (N, nb) their fp16 scales; for Q4_1 also sx (T, nb), the Q8_1 sums, and
+    mw (N, nb), the block minimums. All fp32 tensors holding exact values.
+    Order: 8 fp32 lanes of 4 products each, ``acc = fma(dw*dx, lane, acc)`` block after
+    block, ``hsum_float_8``, then ``+ sum_b m*s`` accumulated in block order.
     Returns (T, N) fp32.
     """
     num_tokens, nb, _ = qx.shape
-    n_rows = qw.shape[0]
-    w_lanes = qw.reshape(n_rows, nb * 8, 4).permute(1, 2, 0)  # (G, 4, N)
+    n_rows = w_lanes.shape[-1]
     step = max(1, chunk_elements // max(1, nb * 8 * n_rows))
     out = torch.empty(num_tokens, n_rows, dtype=_F32)
     for t0 in range(0, num_tokens, step):
