@@ -24,7 +24,14 @@ class LlamaCppBatch:
     """A model plus one context of ``n_ctx`` tokens shared by up to ``max_seqs`` sequences."""
 
     def __init__(
-        self, model_path: Path, *, threads: int, max_seqs: int, n_ctx: int, n_batch: int = 512
+        self,
+        model_path: Path,
+        *,
+        threads: int,
+        max_seqs: int,
+        n_ctx: int,
+        n_batch: int = 512,
+        kv_unified: bool = True,
     ) -> None:
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
@@ -38,7 +45,7 @@ class LlamaCppBatch:
         cparams.n_seq_max = max_seqs
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        cparams.kv_unified = True
+        cparams.kv_unified = kv_unified
         cparams.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:

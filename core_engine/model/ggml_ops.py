@@ -21,7 +21,9 @@ from torch import Tensor
 
 __all__ = [
     "div",
-    "f16_dot_lanes",
+    "tinyblas_dot",
+    "vec_dot_4x16",
+    "vec_dot_bf16",
     "fma",
     "ggml_expf",
     "q8_lane_dot",
@@ -115,7 +117,8 @@ def q8_lane_dot(
     *,
     sx: Tensor | None = None,
     mw: Tensor | None = None,
-    chunk_elements: int = 1 << 23,
+    lane_width: int = 4,
+    chunk_elements: int = 1 << 19,
 ) -> Tensor:
     """ggml's x86 ``vec_dot_q4_1_q8_1`` / ``q8_0_q8_0`` / ``q4_0_q8_0`` for every (token, row).
 
@@ -125,36 +128,50 @@ def q8_lane_dot(
     mw (N, nb), the block minimums. All fp32 tensors holding exact values.
     Order: 8 fp32 lanes of 4 products each, ``acc = fma(dw*dx, lane, acc)`` block after
     block, ``hsum_float_8``, then ``+ sum_b m*s`` accumulated in block order.
+    ``lane_width=32`` is the order of ggml's repacked Q4_0 GEMM/GEMV (``q4_0_8x8``): one
+    integer sum per block, ``acc = fma(sum, dw*dx, acc)``. w_lanes is then (nb, 32, N).
     Returns (T, N) fp32.
     """
     num_tokens, nb, _ = qx.shape
     n_rows = w_lanes.shape[-1]
-    step = max(1, chunk_elements // max(1, nb * 8 * n_rows))
+    n_lanes = 32 // lane_width
+    # Tiles of (tokens x rows) small enough for the per-block passes to stay in cache.
+    row_step = min(n_rows, max(64, chunk_elements // (8 * nb)))
+    tok_step = max(1, chunk_elements // (8 * nb * row_step))
+    x_lanes = qx.reshape(num_tokens, nb * n_lanes, lane_width).transpose(0, 1)  # (G, T, width)
     out = torch.empty(num_tokens, n_rows, dtype=_F32)
-    for t0 in range(0, num_tokens, step):
-        t1 = min(num_tokens, t0 + step)
-        x_lanes = qx[t0:t1].reshape(t1 - t0, nb * 8, 4).transpose(0, 1)  # (G, Tc, 4)
-        lanes = torch.bmm(x_lanes, w_lanes).view(nb, 8, t1 - t0, n_rows)  # exact integers
-        acc = torch.zeros(8, t1 - t0, n_rows, dtype=_F64)
-        for b in range(nb):
-            scale = torch.outer(dx[t0:t1, b], dw[:, b]).to(_F64)  # exact: fp16 x fp16
-            acc = (scale * lanes[b].to(_F64) + acc).to(_F32).to(_F64)
-        res = _hsum_8(acc.to(_F32))
-        if mw is not None:
-            assert sx is not None
-            summs = torch.zeros(t1 - t0, n_rows, dtype=_F32)
-            for b in range(nb):
-                summs = summs + torch.outer(sx[t0:t1, b], mw[:, b])  # m*s exact in fp32
-            res = res + summs
-        out[t0:t1] = res
+    for n0 in range(0, n_rows, row_step):
+        n1 = min(n_rows, n0 + row_step)
+        w = w_lanes[..., n0:n1]
+        for t0 in range(0, num_tokens, tok_step):
+            t1 = min(num_tokens, t0 + tok_step)
+            lanes = torch.bmm(x_lanes[:, t0:t1], w).to(_F64).view(nb, n_lanes, t1 - t0, n1 - n0)  # exact ints
+            scales = (dx[t0:t1, :, None] * dw[None, n0:n1, :].transpose(1, 2)).to(_F64)  # (Tc, nb, Nc) exact
+            acc = torch.zeros(n_lanes, t1 - t0, n1 - n0, dtype=_F64)
+            acc32 = torch.empty(n_lanes, t1 - t0, n1 - n0, dtype=_F32)
+            for b in range(nb):  # fma: the product is exact in fp64; round the sum to fp32
+                torch.addcmul(acc, lanes[b], scales[:, b], out=acc)
+                acc32.copy_(acc)
+                acc.copy_(acc32)
+            res = _hsum_8(acc32) if n_lanes == 8 else acc32[0]
+            if mw is not None:
+                assert sx is not None
+                ms = sx[t0:t1, :, None] * mw[None, n0:n1, :].transpose(1, 2)  # (Tc, nb, Nc) m*s exact
+                summs = torch.zeros(t1 - t0, n1 - n0, dtype=_F32)
+                for b in range(nb):
+                    summs = summs + ms[:, b]
+                res = res + summs
+            out[t0:t1, n0:n1] = res
     return out
 
 
-def f16_dot_lanes(a: Tensor, b: Tensor) -> Tensor:
-    """tinyBLAS F16 GEMM (AVX512): C[..., i, j] = sum_k a[..., i, k] b[..., j, k].
+def tinyblas_dot(a: Tensor, b: Tensor) -> Tensor:
+    """llamafile's tinyBLAS F32/F16 GEMM (AVX512): C[..., i, j] = sum_k a[..., i, k] b[..., j, k].
 
-    a (..., M, K), b (..., N, K) hold fp16 values; 16 fp32 lanes (k mod 16) accumulate with
-    FMA over k in steps of 16, then ``_mm512_reduce_add_ps``. K must be a multiple of 16.
+    ggml hands it products with two or more columns (prompt batches) and a row count that is a
+    multiple of 4; see :func:`vec_dot_4x16` for the rest. a (..., M, K), b (..., N, K) hold
+    fp32 (or fp16) values; 16 fp32 lanes (k mod 16) accumulate with FMA over k in steps of
+    16, then ``_mm512_reduce_add_ps``. K must be a multiple of 16.
     """
     k = a.shape[-1]
     assert k % 16 == 0, k
@@ -165,6 +182,48 @@ def f16_dot_lanes(a: Tensor, b: Tensor) -> Tensor:
         prod = a5[..., :, None, s, :] * b5[..., None, :, s, :]  # exact: fp16 x fp16
         acc = (prod + acc).to(_F32).to(_F64)
     return reduce_add_16(acc.to(_F32))
+
+
+def vec_dot_4x16(a: Tensor, b: Tensor) -> Tensor:
+    """``ggml_vec_dot_f16`` (AVX512) for every pair: C[..., i, j] = sum_k a[..., i, k] b[..., j, k].
+
+    ggml uses it instead of tinyBLAS for single-column products (one new token): 4
+    accumulators of 16 lanes (k mod 64) FMA over k in steps of 64, then ``acc0+acc2``,
+    ``acc1+acc3``, their sum, ``_mm512_reduce_add_ps``; the last K mod 64 products are added
+    one by one in double. ``ggml_vec_dot_f32`` has the same order when K is a multiple of 64.
+    """
+    k = a.shape[-1]
+    main = k - k % 64
+    a6 = a[..., :main].unflatten(-1, (main // 64, 4, 16)).to(_F64)
+    b6 = b[..., :main].unflatten(-1, (main // 64, 4, 16)).to(_F64)
+    acc = torch.zeros((*a.shape[:-1], b.shape[-2], 4, 16), dtype=_F64)  # (..., M, N, 4, 16)
+    for s in range(main // 64):
+        acc = (a6[..., :, None, s, :, :] * b6[..., None, :, s, :, :] + acc).to(_F32).to(_F64)
+    x = acc.to(_F32)
+    out = reduce_add_16((x[..., 0, :] + x[..., 2, :]) + (x[..., 1, :] + x[..., 3, :]))
+    if main == k:
+        return out
+    total = out.to(_F64)
+    for i in range(main, k):  # fp16 products are exact in fp32
+        total = total + (a[..., :, None, i] * b[..., None, :, i]).to(_F64)
+    return total.to(_F32)
+
+
+def vec_dot_bf16(a: Tensor, b: Tensor) -> Tensor:
+    """``ggml_vec_dot_bf16`` on AVX512F without BF16 instructions: sum_k a[..., i, k] b[..., j, k].
+
+    Two accumulators of 16 lanes (k mod 32) over k in steps of 32 (bf16 products are exact in
+    fp32), each ``_mm512_reduce_add_ps``'d and summed in double. K must be a multiple of 32.
+    """
+    k = a.shape[-1]
+    assert k % 32 == 0, k
+    a5 = a.unflatten(-1, (k // 32, 2, 16)).to(_F64)
+    b5 = b.unflatten(-1, (k // 32, 2, 16)).to(_F64)
+    acc = torch.zeros((*a.shape[:-1], b.shape[-2], 2, 16), dtype=_F64)
+    for s in range(k // 32):
+        acc = (a5[..., :, None, s, :, :] * b5[..., None, :, s, :, :] + acc).to(_F32).to(_F64)
+    x = acc.to(_F32)
+    return (reduce_add_16(x[..., 0, :]).to(_F64) + reduce_add_16(x[..., 1, :]).to(_F64)).to(_F32)
 
 
 def soft_max(scores: Tensor, scale: float, mask: Tensor | None) -> Tensor:

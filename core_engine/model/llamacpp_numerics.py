@@ -73,15 +73,23 @@ def _round_f16(x: Tensor) -> Tensor:
 class _Segment:
     """Consecutive rows of a (fused) weight with one GGML type.
 
-    For block types: ``lanes`` (K/4, 4, rows) fp32 quants grouped as ggml's 8 lanes of 4
-    (Q4_0 already minus 8), ``scales`` and ``minimums`` (rows, K/32) fp16 values (``minimums``
-    only for Q4_1).
+    For block types: ``lanes`` (K/width, width, rows) fp32 quants grouped as the kernel's
+    lanes (Q4_0 already minus 8), ``scales`` and ``minimums`` (rows, K/32) fp16 values
+    (``minimums`` only for Q4_1). ``lane_width`` is 4 for ggml's vec_dot/tinyBLAS kernels and
+    32 for the repacked Q4_0 kernels llama.cpp uses for layer weights on AVX2 CPUs.
     """
 
     def __init__(
-        self, rows: int, kind: str, lanes: Tensor | None, scales: Tensor | None, minimums: Tensor | None
+        self,
+        rows: int,
+        kind: str,
+        lanes: Tensor | None = None,
+        scales: Tensor | None = None,
+        minimums: Tensor | None = None,
+        lane_width: int = 4,
     ) -> None:
         self.rows, self.kind, self.lanes, self.scales, self.minimums = rows, kind, lanes, scales, minimums
+        self.lane_width = lane_width
 
 
 class LinearNumerics:
@@ -101,17 +109,36 @@ class LinearNumerics:
         quantized: dict[str, tuple[Tensor, Tensor, Tensor | None]] = {}
         start = 0
         for seg in self.segments:
-            if seg.lanes is None:  # F32/F16/BF16 weights: torch's matmul on ggml-rounded input
-                xr = {"f16": _round_f16, "bf16": lambda t: t.to(torch.bfloat16).float()}.get(seg.kind, lambda t: t)(x)
-                outs.append(xr @ weight[start : start + seg.rows].t())
+            if seg.lanes is None:  # F32/F16/BF16 weights
+                outs.append(_float_linear(x, weight[start : start + seg.rows], seg.kind))
             else:
                 if seg.kind not in quantized:
                     quantized[seg.kind] = G.quantize_q8_blocks(x, with_sum=seg.kind == "q8_1")
                 qx, dx, sx = quantized[seg.kind]
                 assert seg.scales is not None
-                outs.append(G.q8_lane_dot(qx, dx, seg.lanes, seg.scales, sx=sx, mw=seg.minimums))
+                outs.append(
+                    G.q8_lane_dot(qx, dx, seg.lanes, seg.scales, sx=sx, mw=seg.minimums, lane_width=seg.lane_width)
+                )
             start += seg.rows
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _float_linear(x: Tensor, weight: Tensor, kind: str) -> Tensor:
+    """x (T, K) @ weight (N, K).T for F32/F16/BF16 weights in ggml's order.
+
+    ggml rounds x to the weight's type, then tinyBLAS serves T >= 2 when N % 4 == 0 and
+    K % 16 == 0, ``ggml_vec_dot_*`` the rest (emulated when K is a multiple of their width;
+    otherwise torch's matmul, off by fp32 rounding).
+    """
+    num_tokens, k = x.shape
+    xr = {"f16": _round_f16, "bf16": lambda t: t.to(torch.bfloat16).to(t.dtype)}.get(kind, lambda t: t)(x)
+    if num_tokens >= 2 and weight.shape[0] % 4 == 0 and k % 16 == 0:
+        return G.tinyblas_dot(xr, weight)
+    if kind == "bf16" and k % 32 == 0:
+        return G.vec_dot_bf16(xr, weight)
+    if kind == "f16" or (kind == "f32" and k % 64 == 0):
+        return G.vec_dot_4x16(xr, weight)
+    return xr @ weight.t()
 
 
 @cache
@@ -221,13 +248,19 @@ class LlamaCppModel(LlamaModel):
         return self.lm_head_linear(x, self.lm_head)  # (N, vocab)
 
 
+@cache
+def _interleaved_order(head_dim: int, device: torch.device) -> Tensor:
+    """Index map from GGUF order (pair members at ``2i, 2i+1``) to rotate-half (``i, i + D/2``)."""
+    return torch.arange(head_dim, device=device).view(2, head_dim // 2).t().reshape(-1)
+
+
 class LlamaCppAttention(ContiguousAttention):
     """:class:`ContiguousAttention` with ggml's attention arithmetic (flash attention off).
 
     ``softmax(scale * K q + mask)`` with ggml's softmax, the F16 V cache multiplied by the
-    probabilities converted to F16; both products in tinyBLAS's 16-lane F16 order. q, k, v
-    arrive rounded to F16 by :class:`LlamaCppModel`. The key axis is padded with masked cells to
-    a multiple of 16, as llama.cpp's KV cache is (padding changes no sum).
+    probabilities converted to F16; both products in tinyBLAS's 16-lane F16 order for a batch
+    of tokens, in ``ggml_vec_dot_f16``'s order for a single token. q, k, v arrive rounded to
+    F16 by :class:`LlamaCppModel`.
     """
 
     def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -235,29 +268,40 @@ class LlamaCppAttention(ContiguousAttention):
         num_new, num_heads, head_dim = q.shape
         keys, values = self._append(layer_idx, k, v)  # (S, n_kv_heads, head_dim)
         num_total, num_kv_heads = keys.shape[0], keys.shape[1]
-        padded = -(-num_total // 16) * 16
+        # llamafile's tinyBLAS serves batches of 2+ tokens, ggml_vec_dot_f16 single tokens;
+        # the key axis is padded with masked cells (zeros change no sum) to their width.
+        dot = G.tinyblas_dot if num_new > 1 else G.vec_dot_4x16
+        padded = -(-num_total // 64) * 64
         group = num_heads // num_kv_heads
-        k_ = F.pad(keys, (0, 0, 0, 0, 0, padded - num_total)).permute(1, 0, 2)  # (n_kv, Sp, D)
+        # ggml sums q.k over head dims in the GGUF row order (rotation pairs adjacent): the
+        # 16 lanes see different elements than in our rotate-half order.
+        order = _interleaved_order(head_dim, q.device)
+        k_ = F.pad(keys[..., order], (0, 0, 0, 0, 0, padded - num_total)).permute(1, 0, 2)  # (n_kv, Sp, D)
         v_ = F.pad(values, (0, 0, 0, 0, 0, padded - num_total)).permute(1, 2, 0)  # (n_kv, D, Sp)
-        q_ = q.permute(1, 0, 2)  # (H, T, D)
-        scores = G.f16_dot_lanes(q_, k_.repeat_interleave(group, dim=0))  # (H, T, Sp)
+        q_ = q[..., order].permute(1, 0, 2)  # (H, T, D)
+        scores = dot(q_, k_.repeat_interleave(group, dim=0))  # (H, T, Sp)
         rows = torch.arange(num_new).unsqueeze(1) + (num_total - num_new)
         mask = torch.zeros(num_new, padded).masked_fill(torch.arange(padded).unsqueeze(0) > rows, float("-inf"))
         scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim)))  # 1.0f/sqrtf(head_dim)
         probs = _round_f16(G.soft_max(scores, scale, mask))
-        out = G.f16_dot_lanes(probs, v_.repeat_interleave(group, dim=0))  # (H, T, D)
+        out = dot(probs, v_.repeat_interleave(group, dim=0))  # (H, T, D)
         return out.permute(1, 0, 2)  # (T, H, D)
 
 
-def _segment(gguf_file: GGUFFile, name: str, num_heads: int | None = None) -> _Segment:
-    """Read tensor ``name``'s blocks (rows un-permuted like the loader's q/k rows)."""
+def _segment(
+    gguf_file: GGUFFile, name: str, num_heads: int | None = None, *, repackable: bool = True
+) -> _Segment:
+    """Read tensor ``name``'s blocks (rows un-permuted like the loader's q/k rows).
+
+    ``repackable``: llama.cpp may repack it (a matmul-only weight, not the token embedding).
+    """
     from core_engine.gguf_loader import _unpermute_rope_rows
 
     qtype = gguf_file.tensor_type(name)
     tensor = gguf_file.tensor(name)
     rows = int(np.prod([int(n) for n in tensor.shape.tolist()[1:]]))  # GGUF lists ne0 (K) first
     if qtype not in _BLOCK_BYTES:
-        return _Segment(rows, VEC_DOT_TYPE[qtype], None, None, None)
+        return _Segment(rows, VEC_DOT_TYPE[qtype])
     raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
     blocks = torch.from_numpy(raw.copy()).view(rows, -1, _BLOCK_BYTES[qtype])  # (N, nb, bytes)
     scales = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)  # (N, nb)
@@ -274,8 +318,11 @@ def _segment(gguf_file: GGUFFile, name: str, num_heads: int | None = None) -> _S
     if num_heads is not None:
         quants, scales = _unpermute_rope_rows(quants, num_heads), _unpermute_rope_rows(scales, num_heads)
         minimums = None if minimums is None else _unpermute_rope_rows(minimums, num_heads)
-    lanes = quants.reshape(rows, -1, 4).permute(1, 2, 0).contiguous()  # (K/4, 4, N)
-    return _Segment(rows, VEC_DOT_TYPE[qtype], lanes, scales.contiguous(), minimums)
+    # llama.cpp repacks Q4_0 matmul weights with a multiple of 8 rows into q4_0_8x8 blocks on
+    # AVX2 CPUs; those kernels sum each block in integers (one lane of 32).
+    width = 32 if qtype == Q.Q4_0 and repackable and rows % 8 == 0 else 4
+    lanes = quants.reshape(rows, -1, width).permute(1, 2, 0).contiguous()  # (K/width, width, N)
+    return _Segment(rows, VEC_DOT_TYPE[qtype], lanes, scales.contiguous(), minimums, width)
 
 
 def _merge(segments: list[_Segment]) -> LinearNumerics:
@@ -283,7 +330,11 @@ def _merge(segments: list[_Segment]) -> LinearNumerics:
     merged: list[_Segment] = []
     for seg in segments:
         prev = merged[-1] if merged else None
-        if prev is not None and prev.kind == seg.kind and (prev.lanes is None) == (seg.lanes is None):
+        if (
+            prev is not None
+            and (prev.kind, prev.lane_width) == (seg.kind, seg.lane_width)
+            and (prev.lanes is None) == (seg.lanes is None)
+        ):
             if seg.lanes is not None:
                 assert prev.lanes is not None and prev.scales is not None and seg.scales is not None
                 prev.lanes = torch.cat((prev.lanes, seg.lanes), dim=-1)
@@ -304,7 +355,7 @@ def attach_llamacpp_numerics(model: LlamaCppModel, gguf_file: GGUFFile) -> None:
     model.rotary.cos.copy_(cos)
     model.rotary.sin.copy_(sin)
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
-    model.lm_head_linear = _merge([_segment(gguf_file, head)])
+    model.lm_head_linear = _merge([_segment(gguf_file, head, repackable=not cfg.tie_word_embeddings)])
     for idx, layer in enumerate(model.layers):
         assert isinstance(layer, LlamaCppDecoderLayer)
         p = f"blk.{idx}."
