@@ -187,6 +187,14 @@ def default_backends() -> list[BackendConfig]:
             options={"model_path": str(model_path), "n_ctx": 2048, "n_threads": 2},
         ),
     ]
+    # The native engine serves the same file (pin it with `x-infermux-backend: core_engine`).
+    backends.append(
+        BackendConfig(
+            name="core_engine",
+            kind="core_engine",
+            options={"model_path": str(model_path), "num_threads": 2},
+        )
+    )
     # MLX serves the same file when the `mlx` extra is installed (a cheap check: nothing
     # of MLX is imported here); without it the alias is served by the others.
     if mlx_backend.is_installed():
