@@ -21,16 +21,17 @@ from torch import Tensor
 
 __all__ = [
     "div",
-    "tinyblas_dot",
-    "vec_dot_4x16",
-    "vec_dot_bf16",
     "fma",
     "ggml_expf",
     "q8_lane_dot",
+    "quantize_q8_blocks",
     "reduce_add_16",
     "rms_norm",
     "soft_max",
     "swiglu",
+    "tinyblas_dot",
+    "vec_dot_4x16",
+    "vec_dot_bf16",
 ]
 
 _F32 = torch.float32
@@ -87,8 +88,9 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``rms_norm`` then ``mul``: fp32 squares summed in float64, ``1/sqrtf(mean + eps)``."""
-    sq = (x * x).to(_F64)  # ggml squares in fp32, accumulates in double
-    mean = (sq.sum(dim=-1, keepdim=True) / x.shape[-1]).to(_F32)
+    sq = (x * x).to(_F64)  # ggml squares in fp32, accumulates in double, in order
+    total = sq.cumsum(dim=-1)[..., -1:]  # a sequential sum (torch's sum() is pairwise)
+    mean = torch.div(total, torch.full_like(total, x.shape[-1])).to(_F32)
     # torch's fp32 sqrt is not always correctly rounded; fp64 sqrt rounded to fp32 is.
     scale = div(1.0, torch.sqrt((mean + _f32(eps)).to(_F64)).to(_F32))
     return (x * scale) * weight
@@ -179,7 +181,7 @@ def tinyblas_dot(a: Tensor, b: Tensor) -> Tensor:
     b5 = b.unflatten(-1, (k // 16, 16)).to(_F64)  # (..., N, S, 16)
     acc = torch.zeros((*a.shape[:-1], b.shape[-2], 16), dtype=_F64)  # (..., M, N, 16)
     for s in range(k // 16):
-        prod = a5[..., :, None, s, :] * b5[..., None, :, s, :]  # exact: fp16 x fp16
+        prod = a5[..., :, None, s, :] * b5[..., None, :, s, :]  # exact in fp64
         acc = (prod + acc).to(_F32).to(_F64)
     return reduce_add_16(acc.to(_F32))
 
@@ -240,10 +242,8 @@ def soft_max(scores: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     mx = w.amax(dim=-1, keepdim=True)
     e = ggml_expf(w - mx)
     chunk_sums = reduce_add_16(e.unflatten(-1, (n // 16, 16))).to(_F64)  # (..., n/16)
-    total = torch.zeros(chunk_sums.shape[:-1], dtype=_F64)
-    for c in range(n // 16):
-        total = total + chunk_sums[..., c]
-    inv = (1.0 / total).to(_F32).unsqueeze(-1)
+    total = chunk_sums.cumsum(dim=-1)[..., -1:]  # summed in order, in double
+    inv = torch.div(torch.ones_like(total), total).to(_F32)
     return e * inv
 
 

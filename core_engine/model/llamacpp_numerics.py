@@ -8,21 +8,20 @@ feeds F16 q and softmax probabilities to the attention products. Those roundings
 output a discontinuous function of the arithmetic, so an emulation that is right "up to fp32
 rounding" still drifts as far from llama.cpp as exact arithmetic does (see
 :mod:`core_engine.model.ggml_ops`). ``load_model(path, numerics="llamacpp")`` therefore builds
-a :class:`LlamaCppModel` that computes every step with the same bits as ggml on x86:
+a :class:`LlamaCppModel` that computes every step with the same bits as ggml on x86 AVX512:
 
 * RMSNorm, SwiGLU (ggml's ``expf`` polynomial), RoPE (fp32 angle recurrence, the C library's
   ``cosf``/``sinf``, FMA-contracted rotation), residual adds;
-* Q8_0/Q8_1 activation quantisation and the block dot products in ggml's lane and FMA order
-  (:func:`~core_engine.model.ggml_ops.q8_lane_dot`);
-* F16 K/V/q/probabilities and tinyBLAS's 16-lane F16 products, ggml's softmax
-  (:class:`LlamaCppAttention`; any other attention context gets F16-rounded q/k/v but computes
-  attention its own way).
+* Q8_0/Q8_1 activation quantisation and the block dot products in the order of the kernel
+  llama.cpp picks (vec_dot/tinyBLAS lanes, or the repacked Q4_0 GEMM), F32/F16/BF16 weights
+  in tinyBLAS's or ``ggml_vec_dot_*``'s order;
+* F16 K/V/q/probabilities, ggml's softmax and the attention products in tinyBLAS's (prompt)
+  or ``ggml_vec_dot_f16``'s (single token) order, in :class:`LlamaCppAttention`; any other
+  attention context gets F16-rounded q/k/v but computes attention its own way.
 
-Bit-exactness was checked op by op against llama.cpp's own intermediate tensors for
-Q4_1 weights (the default model); other block types use the same vec_dot order, but llama.cpp
-repacks Q4_0/Q8_0 layer weights for its AVX512 GEMMs, whose summation order is not emulated,
-and F16/BF16/F32 weights are multiplied by torch (inputs rounded as ggml rounds them).
-It runs in fp32 at a few times the exact path's cost: an oracle tool, not a serving mode.
+Checked against llama.cpp's intermediate tensors op by op and end to end (logits identical on
+SmolLM2 Q4_1 and on tiny models of every supported type; see ``docs/core-engine-model.md``).
+It runs in fp32 at ~100x the exact path's prefill cost: an oracle tool, not a serving mode.
 """
 
 from __future__ import annotations
@@ -97,11 +96,6 @@ class LinearNumerics:
 
     def __init__(self, segments: list[_Segment]) -> None:
         self.segments = segments
-
-    @property
-    def vec_dot_types(self) -> list[str]:
-        """Input formats, one per segment."""
-        return [seg.kind for seg in self.segments]
 
     def __call__(self, x: Tensor, weight: Tensor) -> Tensor:
         """x (T, K) fp32 @ weight (N, K).T → (T, N) as ggml computes it."""

@@ -5,6 +5,8 @@ Where llama.cpp computes in F32 (F32 weights, F32 KV cache) its logits must equa
 BF16 for F16/BF16 weights) and stores the KV cache in F16, while the engine multiplies the
 exactly dequantised weights in fp32/bf16; there the comparison is statistical, measured against
 how well llama.cpp agrees with itself on an F32 copy of the same weights.
+The issue's SmolLM2 Q4_1 thresholds are asserted with ``numerics="llamacpp"`` (llama.cpp's own
+arithmetic) in ``test_oracle_llamacpp_numerics.py``.
 """
 
 from __future__ import annotations

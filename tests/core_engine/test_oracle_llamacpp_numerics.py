@@ -115,10 +115,17 @@ def _assert_matches(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
 # --- tiny random-weight models: every supported weight type, prefill and decode ------------
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
-def test_tiny_logits_equal_llamacpp_bit_for_bit(tmp_path: Path, qtype: Q, tied: bool) -> None:
-    spec = TinyLlamaSpec(tie_embeddings=tied, seed=int(tied))
+_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
+_CASES = [
+    *((q, TinyLlamaSpec(), f"{q.name}-untied") for q in _TYPES),
+    *((q, TinyLlamaSpec(tie_embeddings=True, seed=1), f"{q.name}-tied") for q in _TYPES),
+    (Q.Q4_1, TinyLlamaSpec(rope_scaling=("linear", 2.0), seed=2), "Q4_1-linear-rope"),
+    (Q.Q4_1, TinyLlamaSpec(hidden_size=128, num_heads=8, num_kv_heads=8, rope_theta=100000.0, seed=3), "Q4_1-mha"),
+]
+
+
+@pytest.mark.parametrize(("qtype", "spec"), [c[:2] for c in _CASES], ids=[c[2] for c in _CASES])
+def test_tiny_logits_equal_llamacpp_bit_for_bit(tmp_path: Path, qtype: Q, spec: TinyLlamaSpec) -> None:
     path = write_llama_gguf(tmp_path / f"tiny-{qtype.name}.gguf", spec=spec, weight_type=qtype)
     model, _, tok = load_model(path, numerics="llamacpp", show_progress=False)
     assert isinstance(model, LlamaCppModel)
