@@ -191,6 +191,20 @@ class CoreEngineBackend:
         if llm is not None:
             await llm.shutdown()
 
+    def stats(self) -> dict[str, float]:
+        """Live engine figures for ``/metrics`` (read at scrape time; empty before start)."""
+        engine = self.engine
+        if engine is None:
+            return {}
+        scheduler = engine.scheduler
+        admitted = scheduler.num_prompt_tokens_admitted
+        return {
+            "num_running": float(len(scheduler.running)),
+            "num_waiting": float(len(scheduler.waiting)),
+            "kv_cache_usage": float(engine.kv_cache_manager.usage),
+            "prefix_cache_hit_rate": scheduler.num_prompt_tokens_cached / admitted if admitted else 0.0,
+        }
+
     @property
     def engine(self) -> Any:
         """The :class:`~core_engine.llm_engine.LLMEngine` (tests, metrics); None before start."""

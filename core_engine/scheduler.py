@@ -87,6 +87,10 @@ class Scheduler:
         self.running: list[Request] = []
         #: Total preemptions so far (metrics, tests).
         self.num_preemptions = 0
+        #: Prompt tokens of admitted requests, and how many of them the prefix cache served
+        #: (counted once per request, at first admission; metrics).
+        self.num_prompt_tokens_admitted = 0
+        self.num_prompt_tokens_cached = 0
 
     # -- queue management ------------------------------------------------------------------
 
@@ -177,6 +181,8 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.monotonic()
+                self.num_prompt_tokens_admitted += request.num_prompt_tokens
+                self.num_prompt_tokens_cached += num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._append(request, num_new, decodes, prefills)

@@ -94,6 +94,11 @@ async def test_shared_system_prompt_is_served_from_the_prefix_cache(backend: Cor
     assert again[-1].usage is not None and again[-1].usage.cached_tokens
     assert again[-1].usage.cached_tokens >= again[-1].usage.prompt_tokens - 16
     assert other[-1].usage is not None and (other[-1].usage.cached_tokens or 0) >= 128
+    # What /metrics shows: a hit rate that counts these cached prompt tokens, nothing running.
+    stats = backend.stats()
+    assert 0.0 < stats["prefix_cache_hit_rate"] < 1.0
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert 0.0 <= stats["kv_cache_usage"] <= 1.0
 
 
 async def test_concurrent_requests_are_batched_and_each_gets_its_answer(backend: CoreEngineBackend) -> None:
