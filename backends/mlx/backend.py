@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from typing import Any, Literal
 import msgspec
 
 from backends._option import decode_options
+from backends._thread_job import ThreadJob
 from backends.base import (
     BackendConfig,
     Capabilities,
@@ -72,22 +72,6 @@ class MLXOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     model_id: str | None = None
 
 
-class _Job:
-    """One generation handed to the worker thread, and the way back to the event loop."""
-
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
-        self.request = request
-        self.loop = loop
-        self.queue: asyncio.Queue[GenerationChunk | BaseException | None] = asyncio.Queue()
-        self.cancelled = threading.Event()
-
-    def send(self, item: GenerationChunk | BaseException | None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled.set()
-
-
 class MLXBackend:
     """A model served by MLX in this process; see the module docstring."""
 
@@ -112,7 +96,7 @@ class MLXBackend:
         self._runner: Any | None = None
         self._model_path: Path | None = None
         #: Generations queued or running, so that ``aclose`` can cancel them.
-        self._jobs: set[_Job] = set()
+        self._jobs: set[ThreadJob] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -266,7 +250,7 @@ class MLXBackend:
         runner, executor = self._runner, self._executor
         if runner is None or executor is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
-        job = _Job(request, asyncio.get_running_loop())
+        job = ThreadJob(request, asyncio.get_running_loop())
         try:
             executor.submit(self._work, runner, job)
         except RuntimeError as exc:  # executor shut down between the check and here
@@ -306,7 +290,7 @@ class MLXBackend:
             )
 
     @staticmethod
-    def _work(runner: Any, job: _Job) -> None:
+    def _work(runner: Any, job: ThreadJob) -> None:
         """Worker-thread body: run the job, translate errors, always send the end marker."""
         if job.cancelled.is_set():
             return
