@@ -23,6 +23,10 @@ import torch
 
 from core_engine.kernels.dispatch import interpreter_enabled
 
+# Keep Triton 3.9's FP-fusion default explicitly (as scripts/gpu_check.sh does), which also
+# silences its deprecation warning in the compile tests.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
 _DEVICE = os.environ.get("INFERMUX_TEST_DEVICE", "cpu").strip() or "cpu"
 _TRITON_RUNS_HERE = _DEVICE == "cuda" or interpreter_enabled()
 
