@@ -8,11 +8,18 @@ back to the request's event loop, and whose ``cancelled`` flag the worker checks
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from typing import Any
 
 from backends.base import GenerationChunk, GenerationRequest
+from backends.errors import BackendError, BackendUnavailableError, InfermuxError
 
-__all__ = ["ThreadJob"]
+__all__ = ["ThreadJob", "run_job", "stream_job"]
+
+logger = logging.getLogger(__name__)
 
 
 class ThreadJob:
@@ -31,3 +38,58 @@ class ThreadJob:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             self.cancelled.set()
+
+
+def run_job(runner: Any, job: ThreadJob, *, library: str) -> None:
+    """Worker-thread body: run the job, translate errors, always send the end marker.
+
+    ``runner.run(request, send, is_cancelled)`` does the generation; an exception other than
+    an :class:`~backends.errors.InfermuxError` crosses as a ``BackendError`` naming ``library``.
+    """
+    if job.cancelled.is_set():
+        return
+    try:
+        runner.run(job.request, job.send, job.cancelled.is_set)
+    except InfermuxError as exc:
+        job.send(exc)
+    except Exception as exc:
+        logger.exception("%s generation failed", library)
+        error = BackendError(f"{library} generation failed: {exc}")
+        error.__cause__ = exc
+        job.send(error)
+    job.send(None)
+
+
+async def stream_job(
+    request: GenerationRequest,
+    *,
+    backend_name: str,
+    runner: Any,
+    executor: Executor | None,
+    jobs: set[ThreadJob],
+    library: str,
+) -> AsyncIterator[GenerationChunk]:
+    """Queue ``request`` on the backend's single worker and yield its chunks.
+
+    Closing the iterator sets the job's ``cancelled`` flag, which the runner checks every
+    token, so generation stops after the current one.
+    """
+    if runner is None or executor is None:
+        raise BackendUnavailableError(f"backend {backend_name!r} is not loaded")
+    job = ThreadJob(request, asyncio.get_running_loop())
+    try:
+        executor.submit(run_job, runner, job, library=library)
+    except RuntimeError as exc:  # executor shut down between the check and here
+        raise BackendUnavailableError(f"backend {backend_name!r} is shutting down") from exc
+    jobs.add(job)
+    try:
+        while True:
+            item = await job.queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        job.cancelled.set()
+        jobs.discard(job)

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from backends._option import decode_options
-from backends._thread_job import ThreadJob
+from backends._thread_job import ThreadJob, stream_job
 from backends.base import (
     BackendConfig,
     Capabilities,
@@ -36,7 +36,6 @@ from backends.base import (
     ModelInfo,
 )
 from backends.errors import (
-    BackendError,
     BackendUnavailableError,
     GenerationAbortedError,
     InfermuxError,
@@ -231,45 +230,14 @@ class LlamaCppBackend:
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream one choice; closing the iterator stops generation after the current token."""
-        return self._generate(request)
-
-    async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        runner, executor = self._runner, self._executor
-        if runner is None or executor is None:
-            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
-        job = ThreadJob(request, asyncio.get_running_loop())
-        try:
-            executor.submit(self._work, runner, job)
-        except RuntimeError as exc:  # executor shut down between the check and here
-            raise BackendUnavailableError(f"backend {self.name!r} is shutting down") from exc
-        self._jobs.add(job)
-        try:
-            while True:
-                item = await job.queue.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            job.cancelled.set()
-            self._jobs.discard(job)
-
-    @staticmethod
-    def _work(runner: Any, job: ThreadJob) -> None:
-        """Worker-thread body: run the job, translate errors, always send the end marker."""
-        if job.cancelled.is_set():
-            return
-        try:
-            runner.run(job.request, job.send, job.cancelled.is_set)
-        except InfermuxError as exc:
-            job.send(exc)
-        except Exception as exc:  # anything llama.cpp raises crosses as a BackendError
-            logger.exception("llama.cpp generation failed")
-            error = BackendError(f"llama.cpp generation failed: {exc}")
-            error.__cause__ = exc
-            job.send(error)
-        job.send(None)
+        return stream_job(
+            request,
+            backend_name=self.name,
+            runner=self._runner,
+            executor=self._executor,
+            jobs=self._jobs,
+            library="llama.cpp",
+        )
 
 
 def create_backend(config: BackendConfig) -> LlamaCppBackend:

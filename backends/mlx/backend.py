@@ -15,6 +15,7 @@ mlx-lm. Nothing is ever downloaded: the hub is switched off before mlx-lm is use
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -26,7 +27,7 @@ from typing import Any, Literal
 import msgspec
 
 from backends._option import decode_options
-from backends._thread_job import ThreadJob
+from backends._thread_job import ThreadJob, stream_job
 from backends.base import (
     BackendConfig,
     Capabilities,
@@ -36,7 +37,6 @@ from backends.base import (
     ModelInfo,
 )
 from backends.errors import (
-    BackendError,
     BackendUnavailableError,
     GenerationAbortedError,
     InfermuxError,
@@ -247,26 +247,17 @@ class MLXBackend:
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._check_supported(request)
-        runner, executor = self._runner, self._executor
-        if runner is None or executor is None:
-            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
-        job = ThreadJob(request, asyncio.get_running_loop())
-        try:
-            executor.submit(self._work, runner, job)
-        except RuntimeError as exc:  # executor shut down between the check and here
-            raise BackendUnavailableError(f"backend {self.name!r} is shutting down") from exc
-        self._jobs.add(job)
-        try:
-            while True:
-                item = await job.queue.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            job.cancelled.set()
-            self._jobs.discard(job)
+        stream = stream_job(
+            request,
+            backend_name=self.name,
+            runner=self._runner,
+            executor=self._executor,
+            jobs=self._jobs,
+            library="MLX",
+        )
+        async with contextlib.aclosing(stream):  # closing us must cancel the job at once
+            async for chunk in stream:
+                yield chunk
 
     def _check_supported(self, request: GenerationRequest) -> None:
         """400 for what this backend cannot honour, before any work is queued."""
@@ -288,22 +279,6 @@ class MLXBackend:
                 f"'mlx' (backend {self.name!r})",
                 param="response_format",
             )
-
-    @staticmethod
-    def _work(runner: Any, job: ThreadJob) -> None:
-        """Worker-thread body: run the job, translate errors, always send the end marker."""
-        if job.cancelled.is_set():
-            return
-        try:
-            runner.run(job.request, job.send, job.cancelled.is_set)
-        except InfermuxError as exc:
-            job.send(exc)
-        except Exception as exc:  # anything MLX raises crosses as a BackendError
-            logger.exception("MLX generation failed")
-            error = BackendError(f"MLX generation failed: {exc}")
-            error.__cause__ = exc
-            job.send(error)
-        job.send(None)
 
 
 def _release_thread_streams() -> None:
