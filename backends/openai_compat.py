@@ -284,7 +284,9 @@ class OpenAICompatBackend:
                 async with asyncio.timeout_at(_loop_time(deadline)):
                     data = await anext(stream, None)
             except TimeoutError as exc:
-                raise self._timeout_error(has_output, total_deadline) from exc
+                raise self._timeout_error(
+                    has_output, total_deadline is not None and deadline == total_deadline
+                ) from exc
             except httpx.HTTPError as exc:
                 raise self._broken_error(has_output, f"{type(exc).__name__}: {exc}") from exc
             payloads = parser.feed(data) if data is not None else parser.close()
@@ -328,8 +330,10 @@ class OpenAICompatBackend:
             yield GenerationChunk(prompt_text=pending_prompt)
         yield GenerationChunk(finish_reason=finish_reason, usage=usage)
 
-    def _timeout_error(self, has_output: bool, total_deadline: float | None) -> InfermuxError:
-        if total_deadline is not None and time.monotonic() >= total_deadline:
+    def _timeout_error(self, has_output: bool, total_was_binding: bool) -> InfermuxError:
+        # Decided by which deadline was binding, not by re-reading the clock: the loop may
+        # fire a timer up to its clock resolution early.
+        if total_was_binding:
             return UpstreamTimeoutError(f"backend {self.name!r}: the total timeout passed")
         if not has_output:
             return UpstreamTimeoutError(

@@ -457,7 +457,7 @@ class RoutedStream:
             self._finish(None)
             raise
         except TimeoutError:
-            error = self._timeout_error()
+            error = self._timeout_error(idle_deadline)
             self._finish(error)
             await _close(self._stream)
             raise error from None
@@ -473,8 +473,10 @@ class RoutedStream:
             self._finish(None)
             await _close(self._stream)
 
-    def _timeout_error(self) -> InfermuxError:
-        if self._deadline is not None and time.monotonic() >= self._deadline:
+    def _timeout_error(self, idle_deadline: float | None) -> InfermuxError:
+        # Which deadline was binding, not a re-read of the clock: the loop may fire a timer
+        # up to its clock resolution early, which made a total timeout look like an idle one.
+        if self._deadline is not None and (idle_deadline is None or self._deadline <= idle_deadline):
             return UpstreamTimeoutError(
                 f"backend {self.backend_name!r} did not finish within its total timeout"
             )
