@@ -56,6 +56,8 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     model_path: str | None = None
     #: "auto" (bf16 where the hardware has native bf16, else fp32), "bfloat16", "float32"...
     dtype: str = "auto"
+    #: "auto" (fp16-packed matmul weights for fp32 compute on a CPU with fbgemm), "dense", "fp16".
+    weight_format: str = "auto"
     device: str = "cpu"
     kv_cache_memory_mb: int = 512
     block_size: int = 16
@@ -137,6 +139,7 @@ class CoreEngineBackend:
             config = EngineConfig(
                 model_path=str(path),
                 dtype=o.dtype,  # type: ignore[arg-type]
+                weight_format=o.weight_format,  # type: ignore[arg-type]
                 device=o.device,
                 kv_cache_memory_bytes=o.kv_cache_memory_mb * 2**20,
                 block_size=o.block_size,

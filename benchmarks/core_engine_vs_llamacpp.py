@@ -86,15 +86,10 @@ def model_costs(engine: LLMEngine) -> dict[str, float]:
     """Weight bytes read per decode step and matmul FLOPs per token."""
     model = engine.model_runner.model
     cfg = engine.model_config
-    matmul_params = 0
-    weight_bytes = 0
-    for name, p in model.named_parameters():
-        if name == "embed_tokens" and not cfg.tie_word_embeddings:
-            continue  # only looked up row by row
-        weight_bytes += p.numel() * p.element_size()
-        if p.dim() == 2:
-            matmul_params += p.numel()
-    return {"weight_bytes": float(weight_bytes), "flops_per_token": 2.0 * matmul_params}
+    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up, down
+    matmul_params = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    return {"weight_bytes": float(model.matmul_weight_bytes()), "flops_per_token": 2.0 * matmul_params}
 
 
 # -- the core engine ----------------------------------------------------------------------
@@ -158,6 +153,10 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--weight-format", default="auto", choices=["auto", "dense", "fp16"],
+        help="matmul weight storage (EngineConfig.weight_format)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prefill-len", type=int, default=512)
@@ -179,6 +178,7 @@ def main() -> None:
         EngineConfig(
             model_path=str(model_path),
             dtype=args.dtype,
+            weight_format=args.weight_format,
             num_threads=args.threads,
             max_num_batched_tokens=max(512, args.prefill_len),
             max_num_seqs=max(args.concurrency),

@@ -9,6 +9,7 @@ import msgspec
 __all__ = ["EngineConfig", "resolve_dtype"]
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
+WeightFormat = Literal["auto", "dense", "fp16"]
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -21,6 +22,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model_path: str
     #: "auto": bfloat16 where the CPU/GPU runs bf16 matmuls natively, else float32.
     dtype: DType = "auto"
+    #: How the matmul weights are stored (see :mod:`core_engine.model.linear`): "auto" packs
+    #: them as fp16 for fbgemm when computing in fp32 on a CPU (half the bytes per decode
+    #: step), else keeps them "dense" in ``dtype``.
+    weight_format: WeightFormat = "auto"
     device: str = "cpu"
     #: Memory for the KV-cache pool (all layers, K and V).
     kv_cache_memory_bytes: int = 512 * 2**20

@@ -100,6 +100,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype, config.device)
         model, _, tokenizer = load_model(config.model_path, dtype=dtype, device=config.device)
+        weight_format = model.set_weight_format(config.weight_format)
+        logger.info("matmul weights: %s (%.0f MiB)", weight_format, model.matmul_weight_bytes() / 2**20)
         return cls(config, model, tokenizer, dtype=dtype)
 
     # -- requests --------------------------------------------------------------------------

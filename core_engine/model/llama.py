@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from core_engine.attention import AttentionContext
 from core_engine.model.config import LlamaConfig
+from core_engine.model.linear import DenseLinear, Linear, make_linear, resolve_weight_format
 from core_engine.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["LlamaDecoderLayer", "LlamaModel"]
@@ -45,6 +46,11 @@ class LlamaDecoderLayer(nn.Module):
         self.ffn_norm = _weight(hidden, dtype=dtype, device=device)
         self.gate_up_proj = _weight(2 * inter, hidden, dtype=dtype, device=device)  # gate | up
         self.down_proj = _weight(hidden, inter, dtype=dtype, device=device)
+        # The products the forward pass calls; :meth:`LlamaModel.set_weight_format` swaps them.
+        self.qkv: Linear = DenseLinear(self.qkv_proj, self.qkv_bias)
+        self.o: Linear = DenseLinear(self.o_proj)
+        self.gate_up: Linear = DenseLinear(self.gate_up_proj)
+        self.down: Linear = DenseLinear(self.down_proj)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, layer_idx: int
@@ -53,15 +59,14 @@ class LlamaDecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         heads_qk = self.num_heads + self.num_kv_heads
         h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.rms_eps)  # (T, hidden)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)  # (T, q_size + 2 kv_size)
+        qkv = self.qkv(h)  # (T, q_size + 2 kv_size)
         qkv = qkv.view(num_tokens, heads_qk + self.num_kv_heads, self.head_dim)
         qk = apply_rotary(qkv[:, :heads_qk], cos, sin)  # (T, n_heads + n_kv_heads, head_dim)
         out = attn.forward(layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, heads_qk:])
-        # addmm folds the residual add into the projection: x + out @ o_proj.T
-        x = torch.addmm(x, out.reshape(num_tokens, self.q_size), self.o_proj.t())  # (T, hidden)
+        x = self.o.add_to(x, out.reshape(num_tokens, self.q_size))  # x + out @ o_proj.T: (T, hidden)
         h = F.rms_norm(x, (x.shape[-1],), self.ffn_norm, self.rms_eps)
-        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)  # (T, inter) each
-        return torch.addmm(x, F.silu(gate) * up, self.down_proj.t())  # (T, hidden)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)  # (T, inter) each
+        return self.down.add_to(x, F.silu(gate) * up)  # (T, hidden)
 
 
 class LlamaModel(nn.Module):
@@ -98,6 +103,39 @@ class LlamaModel(nn.Module):
             else _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryEmbedding(config, dtype=dtype, device=device, freq_factors=rope_freq_factors)
+        self.head: Linear = DenseLinear(self.lm_head)
+        #: Storage of the matmul weights: "dense" (the parameters above) or "fp16" (packed).
+        self.weight_format = "dense"
+
+    def set_weight_format(self, weight_format: str) -> str:
+        """Re-store every projection and the LM head in ``weight_format`` (see
+        :mod:`core_engine.model.linear`); returns the resolved format.
+
+        Packing frees the dense copies: afterwards the ``*_proj`` (and an untied ``lm_head``)
+        parameters are ``None`` and only :meth:`forward` can use the weights. One-way: load the
+        model again for another format.
+        """
+        resolved = resolve_weight_format(weight_format, dtype=self.dtype, device=self.device)
+        if resolved == self.weight_format:
+            return resolved
+        if self.weight_format != "dense":
+            raise ValueError(f"weights are already packed as {self.weight_format!r}")
+        for layer in self.layers:
+            layer.qkv = make_linear(resolved, layer.qkv_proj, layer.qkv_bias)
+            layer.o = make_linear(resolved, layer.o_proj)
+            layer.gate_up = make_linear(resolved, layer.gate_up_proj)
+            layer.down = make_linear(resolved, layer.down_proj)
+            layer.qkv_proj = layer.qkv_bias = layer.o_proj = layer.gate_up_proj = layer.down_proj = None
+        self.head = make_linear(resolved, self.lm_head)
+        if not self.config.tie_word_embeddings:
+            self.lm_head = None  # the embedding table stays: rows are looked up, not multiplied
+        self.weight_format = resolved
+        return resolved
+
+    def matmul_weight_bytes(self) -> int:
+        """Bytes of projection and LM-head weight one forward step reads (a decode roofline)."""
+        layers = sum(lin.nbytes for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return layers + self.head.nbytes
 
     @property
     def device(self) -> torch.device:
@@ -125,4 +163,4 @@ class LlamaModel(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]  # (N, hidden)
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_eps)
-        return F.linear(x, self.lm_head).float()  # (N, vocab)
+        return self.head(x).float()  # (N, vocab)
