@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import pytest_asyncio
 
@@ -26,6 +27,7 @@ from backends.errors import (
 )
 from backends.mlx import create_backend
 from backends.mlx.backend import MLXBackend
+from gateway.config import config_from_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -298,6 +300,28 @@ async def test_bad_options_name_the_key() -> None:
         create_backend(BackendConfig(name="m", kind="mlx", options={"n_ctxx": 5}))
     with pytest.raises(ValueError, match=r"backends\.m\.options\.dtype"):
         create_backend(BackendConfig(name="m", kind="mlx", options={"dtype": "int3"}))
+
+
+async def test_numerics_option_comes_from_the_config_and_is_checked() -> None:
+    toml = b"""
+        [[backends]]
+        name = "m"
+        kind = "mlx"
+        options = { numerics = "llamacpp" }
+    """
+    (config,) = config_from_dict(msgspec.toml.decode(toml)).backends
+    assert create_backend(config).options.numerics == "llamacpp"
+    assert create_backend(BackendConfig(name="m", kind="mlx")).options.numerics == "exact"
+    with pytest.raises(
+        ValueError, match=r"backends\.m\.options\.numerics: Invalid enum value 'ggml'"
+    ):
+        create_backend(BackendConfig(name="m", kind="mlx", options={"numerics": "ggml"}))
+    with pytest.raises(ValueError, match=r"backends\.m\.options\.dtype: numerics = 'llamacpp'"):
+        create_backend(
+            BackendConfig(
+                name="m", kind="mlx", options={"numerics": "llamacpp", "dtype": "float16"}
+            )
+        )
 
 
 async def test_missing_model_is_unavailable_not_a_download() -> None:

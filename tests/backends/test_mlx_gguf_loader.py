@@ -3,12 +3,14 @@
 With float32 weights and a float32 KV cache llama.cpp computes in plain float32, so the two
 engines must give the same logits; that pins down the tensor mapping, grouped-query heads,
 and the RoPE layout of GGUF's permuted q/k rows. Quantized files check that Q4_0/Q4_1/Q8_0
-stay quantized and decode to exactly what GGML's formats mean.
+stay quantized and decode to exactly what GGML's formats mean, and that ``numerics="llamacpp"``
+computes what llama.cpp computes on them (float16 KV cache and all), prompt and decode steps.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import llama_cpp
@@ -17,8 +19,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType
+from mlx_lm.models.cache import make_prompt_cache
 
 from backends.mlx.gguf_loader import GGUFLoadError, load_gguf_model
+from backends.mlx.llamacpp_numerics import Numerics
 from backends.mlx.tokenizer import _byte_decoder
 
 Q4_0, Q4_1, Q5_0, Q8_0 = (
@@ -28,6 +32,25 @@ Q4_0, Q4_1, Q5_0, Q8_0 = (
     GGMLQuantizationType.Q8_0,
 )
 TOKENS = list(range(100, 400, 7))  # 43 positions
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+#: llama.cpp runs the kernels ``numerics="llamacpp"`` emulates (x86 AVX512 with FMA and F16C);
+#: elsewhere it sums in other orders and the mode is only close to it.
+EMULATED_CPU = {"avx512f", "avx512dq", "avx2", "fma", "f16c"} <= _cpu_flags()
+#: Largest logit difference to llama.cpp in ``numerics="llamacpp"`` on the emulated CPU: the
+#: layers are bit-identical, the LM head sums in MLX's order (measured 1.5e-5 here, 5e-5 on
+#: SmolLM2).
+LLAMACPP_NUMERICS_TOLERANCE = 1e-3
 
 
 def write_tiny_gguf(
@@ -97,15 +120,17 @@ def write_tiny_gguf(
     return path
 
 
-def mlx_logits(path: Path) -> np.ndarray:
-    model = load_gguf_model(path).model
+def mlx_logits(path: Path, numerics: Numerics = "exact") -> np.ndarray:
+    model = load_gguf_model(path, numerics=numerics).model
     return np.array(model(mx.array(TOKENS)[None])[0])  # (T, vocab)
 
 
-def llamacpp_logits(path: Path) -> np.ndarray:
+def llamacpp_logits(path: Path, *, float_kv: bool = True) -> np.ndarray:
+    """llama.cpp's logits of TOKENS; ``float_kv``: a float32 KV cache, else its default F16."""
+    kv_types = {"type_k": 0, "type_v": 0} if float_kv else {}  # GGML type 0 is F32
     llm = llama_cpp.Llama(
-        str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=1, type_k=0, type_v=0
-    )  # type_k/type_v 0: a float32 KV cache
+        str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=1, **kv_types
+    )
     try:
         llm.eval(TOKENS)
         return np.array(llm.scores[: len(TOKENS)])
@@ -150,12 +175,62 @@ def test_quantized_weights_stay_quantized_and_decode_like_ggml(
     assert np.abs(ours - theirs).max() < 0.1 * np.abs(theirs).max()
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"linear_type": Q4_0},
+        {"linear_type": Q4_1, "tied": False},
+        {"linear_type": Q4_1, "rope_factors": True},
+    ],
+    ids=["q4_0-repacked", "q4_1-separate-output", "q4_1-rope-factors"],
+)
+def test_llamacpp_numerics_give_llamacpps_logits(tmp_path: Path, variant: dict[str, Any]) -> None:
+    """Q4_0 (repacked by llama.cpp), Q4_1 and Q8_0 products with llama.cpp's F16 KV cache."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", **variant)
+    theirs = llamacpp_logits(path, float_kv=False)
+    exact = np.abs(mlx_logits(path) - theirs).max()
+    ours = np.abs(mlx_logits(path, "llamacpp") - theirs).max()
+    report = f"largest logit difference: exact {exact:.2e}, llamacpp numerics {ours:.2e}"
+    assert exact > 0.05, report  # llama.cpp's roundings are visible on this model
+    assert ours < (LLAMACPP_NUMERICS_TOLERANCE if EMULATED_CPU else exact), report
+
+
+def test_llamacpp_numerics_decode_steps_give_llamacpps_logits(tmp_path: Path) -> None:
+    """One token at a time through the KV cache: ggml's single-token products, RoPE offsets."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", linear_type=Q4_1)
+    prompt, steps = TOKENS[:20], TOKENS[20:28]
+    llm = llama_cpp.Llama(str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=1)
+    try:
+        llm.eval(prompt)
+        for token in steps:
+            llm.eval([token])
+        theirs = np.array(llm.scores[len(prompt) - 1 : len(prompt) + len(steps)])
+    finally:
+        llm.close()
+    model = load_gguf_model(path, numerics="llamacpp").model
+    cache = make_prompt_cache(model)
+    ours = [model(mx.array(prompt)[None], cache=cache)[0, -1]]
+    ours += [model(mx.array([[token]]), cache=cache)[0, -1] for token in steps]
+    largest = np.abs(np.array(mx.stack(ours)) - theirs).max()
+    assert largest < (LLAMACPP_NUMERICS_TOLERANCE if EMULATED_CPU else 0.1), largest
+
+
 def test_formats_mlx_cannot_read_are_dequantized(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "tiny.gguf", linear_type=Q5_0)
     model = load_gguf_model(path).model
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)  # floats now
     ours, theirs = mlx_logits(path), llamacpp_logits(path)
     assert np.abs(ours - theirs).max() < 0.1 * np.abs(theirs).max()
+
+
+def test_llamacpp_numerics_refuse_unemulated_formats_and_bad_arguments(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", linear_type=Q5_0)
+    with pytest.raises(GGUFLoadError, match="numerics='llamacpp'"):
+        load_gguf_model(path, numerics="llamacpp")
+    with pytest.raises(ValueError, match="numerics must be one of exact, llamacpp; got 'ggml'"):
+        load_gguf_model(path, numerics="ggml")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="computes in float32"):
+        load_gguf_model(path, dtype=mx.float16, numerics="llamacpp")
 
 
 def test_other_architectures_are_refused_with_advice(tmp_path: Path) -> None:
