@@ -56,7 +56,8 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     model_path: str | None = None
     #: "auto" (bf16 where the hardware has native bf16, else fp32), "bfloat16", "float32"...
     dtype: str = "auto"
-    #: "auto" (fp16-packed matmul weights for fp32 compute on a CPU with fbgemm), "dense", "fp16".
+    #: "auto" (fp16-packed matmul weights for fp32 compute on a CPU with fbgemm), "dense",
+    #: "fp16", or "int8" (opt-in: int8 GEMMs, ~llama.cpp's fidelity; see docs/benchmarks.md).
     weight_format: str = "auto"
     device: str = "cpu"
     kv_cache_memory_mb: int = 512

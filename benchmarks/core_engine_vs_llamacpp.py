@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
-        "--weight-format", default="auto", choices=["auto", "dense", "fp16"],
+        "--weight-format", default="auto", choices=["auto", "dense", "fp16", "int8"],
         help="matmul weight storage (EngineConfig.weight_format)",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])

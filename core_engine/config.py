@@ -9,7 +9,7 @@ import msgspec
 __all__ = ["EngineConfig", "resolve_dtype"]
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
-WeightFormat = Literal["auto", "dense", "fp16"]
+WeightFormat = Literal["auto", "dense", "fp16", "int8"]
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,7 +24,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: DType = "auto"
     #: How the matmul weights are stored (see :mod:`core_engine.model.linear`): "auto" packs
     #: them as fp16 for fbgemm when computing in fp32 on a CPU (half the bytes per decode
-    #: step), else keeps them "dense" in ``dtype``.
+    #: step), else keeps them "dense" in ``dtype``. "int8" (opt-in, CPU): int8 weights and
+    #: int8 GEMMs, lossy but as close to the exact model as llama.cpp's 8-bit arithmetic.
     weight_format: WeightFormat = "auto"
     device: str = "cpu"
     #: Memory for the KV-cache pool (all layers, K and V).

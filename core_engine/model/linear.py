@@ -4,17 +4,22 @@ The model's projections (fused QKV, output, fused gate/up, down, the LM head) ca
 these instead of ``F.linear`` directly, so the storage format is chosen once, after loading:
 
 * :class:`DenseLinear` - the torch weight as loaded (fp32 or bf16), ``F.linear``/``addmm``.
-* :class:`Fp16Linear` - fbgemm's fp16-weight GEMM (``quantized::linear_dynamic_fp16``): the
-  weight is stored as fp16 in fbgemm's packed layout and widened to fp32 inside the kernel, so
-  activations and accumulation stay fp32. On x86 CPUs without native bf16 (the dev machine:
-  AVX512 but no AVX512-BF16) decode is bound by the bytes of weight read per step: half the
-  bytes made single-stream decode and 16-way batched decode ~1.7x faster than fp32, and the
-  packed layout is no slower than fp32 at 64 rows. Every weight of a Q4_0/Q4_1/Q8_0 GGUF is
-  ``d * q (+ m)`` with fp16 ``d``/``m``, so fp16 storage rounds each weight by at most 2^-11
-  relative - far below the file's own 4-bit quantisation step.
+* :class:`Fp16Linear` - fbgemm's fp16-weight GEMM: the weight is stored as fp16 in fbgemm's
+  packed layout and widened to fp32 inside the kernel, so activations and accumulation stay
+  fp32. On x86 CPUs without native bf16 (the dev machine: AVX512 but no AVX512-BF16) decode is
+  bound by the bytes of weight read per step, and half the bytes made single-stream and 16-way
+  decode ~1.4x faster than fp32 (1 thread, shared machine); at 64 rows it is no slower. Every
+  weight of a Q4_0/Q4_1/Q8_0 GGUF is ``d * q (+ m)`` with fp16 ``d``/``m``, so fp16 storage
+  rounds each weight by at most 2^-11 relative - far below the file's own 4-bit step.
+* :class:`Int8Linear` - int8 weight rows (one fp32 scale each) times 16-bit fixed-point
+  activations (two int8 digit planes) in int8 GEMMs: a quarter of fp32's bytes and the CPU's
+  VNNI int8 throughput. Lossy: requantising the 4-bit blocks to int8 rows moves the logits
+  about as far from the exact model as llama.cpp's own 8-bit activations do (mean KL from the
+  exact next-token distribution 0.0032 vs llama.cpp's 0.0028 on SmolLM2). The LM head is
+  wrapped in :class:`TopKRefinedLinear` so the logits that decide sampling are exact.
 
 ``weight_format`` values (``EngineConfig.weight_format``): ``"auto"`` picks ``"fp16"`` on a CPU
-with fbgemm when the compute dtype is fp32, else ``"dense"``.
+with fbgemm when the compute dtype is fp32, else ``"dense"``; ``"int8"`` is opt-in.
 """
 
 from __future__ import annotations
@@ -26,10 +31,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["WEIGHT_FORMATS", "DenseLinear", "Fp16Linear", "Linear", "make_linear", "resolve_weight_format"]
+__all__ = [
+    "WEIGHT_FORMATS",
+    "DenseLinear",
+    "Fp16Linear",
+    "Int8Linear",
+    "Linear",
+    "TopKRefinedLinear",
+    "make_linear",
+    "resolve_weight_format",
+]
 
-WeightFormat = Literal["auto", "dense", "fp16"]
-WEIGHT_FORMATS: tuple[str, ...] = ("auto", "dense", "fp16")
+WeightFormat = Literal["auto", "dense", "fp16", "int8"]
+WEIGHT_FORMATS: tuple[str, ...] = ("auto", "dense", "fp16", "int8")
 
 
 class DenseLinear:
@@ -103,7 +117,69 @@ else:  # pragma: no cover - newer torch without the ATen functions
         return torch.ops.quantized.linear_dynamic_fp16(x, packed) + bias
 
 
-Linear = DenseLinear | Fp16Linear
+class Int8Linear:
+    """int8 weights (one fp32 scale per output row), 16-bit fixed-point activations, int8
+    GEMMs on the CPU (the compiled ``int8_linear`` of :mod:`core_engine.kernels.cpu`).
+
+    ``precise=True`` stores a second int8 digit of each weight (W ~= s (W1 + W2 / 254)): one
+    more GEMM for a product within ~1e-4 of fp32, used for the LM head, where one-digit
+    weights would move the logits of every token.
+    """
+
+    __slots__ = ("_bias", "_kernel", "_scale", "_weight", "_weight_lo", "nbytes")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, precise: bool = False) -> None:
+        from core_engine.kernels.cpu import int8_linear_module
+
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
+        digits = w / scale[:, None]  # in [-127, 127]
+        high = torch.round(digits)
+        self._weight = high.to(torch.int8).contiguous()  # (out, in)
+        self._weight_lo = torch.round((digits - high) * 254.0).to(torch.int8).contiguous() if precise else None
+        self._scale = scale.contiguous()
+        self._bias = None if bias is None else bias.detach().float().contiguous()
+        self._kernel = int8_linear_module().int8_linear
+        self.nbytes = w.numel() * (2 if precise else 1) + scale.numel() * 4
+        self.nbytes += 0 if bias is None else bias.numel() * 4
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x: (T, in) fp32 -> (T, out) fp32."""
+        return self._kernel(x, self._weight, self._scale, self._bias, None, self._weight_lo)
+
+    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
+        """``residual + self(x)``, the add fused into the kernel's output pass."""
+        return self._kernel(x, self._weight, self._scale, self._bias, residual, self._weight_lo)
+
+
+class TopKRefinedLinear:
+    """An approximate product whose ``k`` largest outputs per row are recomputed exactly.
+
+    For the LM head of an int8 model: one-digit int8 weights move every logit by up to ~0.05,
+    enough to swap near-tied top tokens, but only the top of the distribution decides greedy,
+    top-k/top-p sampling and the reported logprobs. Recomputing the top ``k`` logits from the
+    exact weight rows (a gather and a (T, k, hidden) product) costs ~1/1000 of the head, where
+    fp16 or two-digit int8 weights would cost 1.5-2x the one-digit product.
+    """
+
+    __slots__ = ("_approx", "_exact", "_k", "nbytes")
+
+    def __init__(self, approx: Linear, exact_weight: Tensor, k: int = 32) -> None:
+        self._approx = approx
+        self._exact = exact_weight  # (out, in), rows gathered per call
+        self._k = min(k, exact_weight.shape[0])
+        self.nbytes = approx.nbytes
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x: (T, in) -> (T, out), the top ``k`` of each row exact."""
+        y = self._approx(x)  # (T, out)
+        top = y.topk(self._k, dim=-1, sorted=False).indices  # (T, k)
+        rows = self._exact.index_select(0, top.view(-1)).view(*top.shape, -1)  # (T, k, in)
+        y.scatter_(1, top, torch.bmm(rows, x.unsqueeze(-1).to(rows.dtype)).squeeze(-1).to(y.dtype))
+        return y
+
+
+Linear = DenseLinear | Fp16Linear | Int8Linear | TopKRefinedLinear
 
 
 def fbgemm_available() -> bool:
@@ -121,18 +197,23 @@ def resolve_weight_format(name: str, *, dtype: torch.dtype, device: torch.device
     usable = torch.device(device).type == "cpu" and dtype == torch.float32 and fbgemm_available()
     if name == "auto":
         return "fp16" if usable else "dense"
-    if name == "fp16" and not usable:
+    if name in ("fp16", "int8") and not usable:
         raise ValueError(
-            "weight_format='fp16' needs fp32 compute on a CPU whose torch has fbgemm "
+            f"weight_format={name!r} needs fp32 compute on a CPU whose torch has fbgemm "
             f"(got dtype {dtype} on {device})"
         )
     return name
 
 
-def make_linear(weight_format: str, weight: Tensor, bias: Tensor | None = None) -> Linear:
-    """A product over ``weight`` in ``weight_format`` ("dense" or "fp16"; resolve "auto" first)."""
+def make_linear(
+    weight_format: str, weight: Tensor, bias: Tensor | None = None, *, precise: bool = False
+) -> Linear:
+    """A product over ``weight`` in ``weight_format`` (resolve "auto" first); ``precise``
+    asks int8 for two-digit weights (the LM head)."""
     if weight_format == "fp16":
         return Fp16Linear(weight, bias)
+    if weight_format == "int8":
+        return Int8Linear(weight, bias, precise=precise)
     if weight_format == "dense":
         return DenseLinear(weight, bias)
     raise ValueError(f"make_linear: unresolved weight_format {weight_format!r}")

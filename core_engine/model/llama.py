@@ -14,7 +14,13 @@ from torch import Tensor, nn
 
 from core_engine.attention import AttentionContext
 from core_engine.model.config import LlamaConfig
-from core_engine.model.linear import DenseLinear, Linear, make_linear, resolve_weight_format
+from core_engine.model.linear import (
+    DenseLinear,
+    Linear,
+    TopKRefinedLinear,
+    make_linear,
+    resolve_weight_format,
+)
 from core_engine.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["LlamaDecoderLayer", "LlamaModel"]
@@ -127,8 +133,12 @@ class LlamaModel(nn.Module):
             layer.down = make_linear(resolved, layer.down_proj)
             layer.qkv_proj = layer.qkv_bias = layer.o_proj = layer.gate_up_proj = layer.down_proj = None
         self.head = make_linear(resolved, self.lm_head)
-        if not self.config.tie_word_embeddings:
-            self.lm_head = None  # the embedding table stays: rows are looked up, not multiplied
+        if resolved == "int8":
+            self.head = TopKRefinedLinear(self.head, self.lm_head.detach())
+        if not self.config.tie_word_embeddings and resolved != "int8":
+            # The embedding table stays (rows are looked up); int8 keeps the head's exact rows
+            # for refining the top logits.
+            self.lm_head = None
         self.weight_format = resolved
         return resolved
 
