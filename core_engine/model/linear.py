@@ -174,7 +174,7 @@ class TopKRefinedLinear:
         """x: (T, in) -> (T, out), the top ``k`` of each row exact."""
         y = self._approx(x)  # (T, out)
         top = y.topk(self._k, dim=-1, sorted=False).indices  # (T, k)
-        rows = self._exact.index_select(0, top.view(-1)).view(*top.shape, -1)  # (T, k, in)
+        rows = self._exact.index_select(0, top.view(-1)).view(*top.shape, x.shape[1])  # (T, k, in)
         y.scatter_(1, top, torch.bmm(rows, x.unsqueeze(-1).to(rows.dtype)).squeeze(-1).to(y.dtype))
         return y
 

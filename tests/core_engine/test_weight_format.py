@@ -138,7 +138,9 @@ def test_topk_refined_head_makes_the_top_logits_exact() -> None:
     weight = torch.randn(500, 64, generator=gen)
     x = torch.randn(6, 64, generator=gen)
     exact = x @ weight.T
-    refined = TopKRefinedLinear(Int8Linear(weight), weight, k=8)(x)
+    head = TopKRefinedLinear(Int8Linear(weight), weight, k=8)
+    refined = head(x)
+    assert head(x[:0]).shape == (0, 500)  # a prefill chunk that samples nothing
     top = exact.topk(8, dim=-1).indices
     torch.testing.assert_close(refined.gather(1, top), exact.gather(1, top), atol=1e-5, rtol=1e-5)
     assert torch.equal(refined.argmax(-1), exact.argmax(-1))

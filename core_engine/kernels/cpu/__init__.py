@@ -51,7 +51,9 @@ def _compile_command(output: Path) -> list[str]:
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     lib_dir = cpp_extension.library_paths()[0]
     return [
-        compiler, "-O3", "-march=native", "-shared", "-fPIC", "-std=c++17",
+        # -fopenmp for ATen's header-inline parallel_for; the libgomp.so.1 it links is the one
+        # torch has already loaded (same soname), so there is one OpenMP runtime.
+        compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={_MODULE}",
         "-DTORCH_API_INCLUDE_EXTENSION_H",
         *(f"-I{path}" for path in includes),

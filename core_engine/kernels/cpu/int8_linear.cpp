@@ -11,6 +11,7 @@
 // roundings and skipped), ~1.5x the cost for a near-fp32 product (used for the LM head).
 // One call per projection, so the Python-level cost is one function call.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -28,10 +29,8 @@ void quantize_rows(const at::Tensor& x, at::Tensor& planes, at::Tensor& scales) 
   int8_t* hi = planes.data_ptr<int8_t>();
   int8_t* lo = hi + M * K;
   float* sp = scales.data_ptr<float>();
-  // Serial on purpose: O(M K) next to the GEMM's O(M N K), and OpenMP here would need a second
-  // runtime beside torch's.
-  {
-    for (int64_t m = 0; m < M; ++m) {
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
       const float* row = xp + m * K;
       float amax = 0.0f;
       for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
@@ -47,7 +46,7 @@ void quantize_rows(const at::Tensor& x, at::Tensor& planes, at::Tensor& scales) 
         l[k] = static_cast<int8_t>(std::nearbyint(kLow * (u - q1)));
       }
     }
-  }
+  });
 }
 
 }  // namespace
@@ -87,8 +86,10 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
     rp = res.data_ptr<float>();
   }
   float* op = out.data_ptr<float>();
-  {
-    for (int64_t m = 0; m < M; ++m) {
+  // Rows split over torch's intra-op threads (grain: ~64K outputs per task).
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(N, 1));
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
       const int32_t* a1 = ap + m * N;
       const int32_t* a2 = ap + (M + m) * N;
       const float s = sp[m];
@@ -102,7 +103,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
         o[n] = v;
       }
     }
-  }
+  });
   return out;
 }
 
