@@ -1,10 +1,11 @@
 """The ``openai`` backend: any OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM,
-llama-server, another infermux) reached over HTTP with ``httpx``.
+llama-server, another infermux) reached over HTTP.
 
-The client is ``httpx.AsyncClient``; for ``http://`` upstreams its transport is
-:class:`backends._http1_transport.Http1Transport` (lean keep-alive HTTP/1.1; the option
-``http_transport = "httpx"`` selects httpx's default one). Upstream requests always stream
-(``stream: true`` with ``stream_options.include_usage``), whatever the client asked, so the
+``http://`` upstreams are reached through :class:`backends._http1_transport.Http1Pool` (lean
+keep-alive HTTP/1.1), ``https://`` ones (and any, with the option ``http_transport =
+"httpx"``) through ``httpx.AsyncClient``; both answer with the same response surface, so
+everything after sending is shared. Upstream requests always stream (``stream: true``
+with ``stream_options.include_usage``), whatever the client asked, so the
 first token is seen as soon as it exists and usage arrives in the last event; the gateway
 assembles non-streaming answers. Closing the iterator closes the upstream response, which
 makes the upstream abort the generation.
@@ -33,9 +34,10 @@ from typing import Literal
 import httpx
 import msgspec
 
-from backends._http1_transport import Http1Transport
+from backends._http1_transport import Http1Pool
 from backends._openai_wire import (
     StreamChunk,
+    UpstreamResponse,
     chat_logprobs,
     completion_logprobs,
     read_error_body,
@@ -54,6 +56,7 @@ from backends.base import (
     ModelInfo,
     Usage,
 )
+from backends.deadline import Deadline, earliest
 from backends.errors import (
     BackendError,
     BackendUnavailableError,
@@ -74,6 +77,9 @@ __all__ = ["OpenAICompatBackend", "OpenAICompatOptions", "create_backend"]
 _DRAIN_TIMEOUT_S = 0.05
 _FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "tool_calls", "content_filter"})
 _chunk_decoder = msgspec.json.Decoder(StreamChunk)
+_HEALTH_TIMEOUT_S = 5.0
+#: Sent with every request of the native client (httpx sends its own defaults).
+_NATIVE_HEADERS = {"content-type": "application/json", "user-agent": "infermux"}
 
 
 class OpenAICompatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -91,10 +97,39 @@ class OpenAICompatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     context_length: int | None = None
     max_connections: int = 256
     verify_tls: bool = True
-    #: ``native``: infermux's lean HTTP/1.1 transport for ``http://`` upstreams (about a
-    #: sixth of httpcore's CPU per streamed request); ``httpx``: httpx's default transport.
-    #: ``https://`` always uses httpx's default transport.
+    #: ``native``: infermux's lean HTTP/1.1 client for ``http://`` upstreams (a fraction of
+    #: httpx's CPU per streamed request); ``httpx``: httpx's client and default transport.
+    #: ``https://`` always uses httpx.
     http_transport: Literal["native", "httpx"] = "native"
+
+
+class _Events:
+    """What the events of one upstream stream said so far."""
+
+    __slots__ = (
+        "is_chat",
+        "pending_prompt",
+        "has_output",
+        "finish_reason",
+        "usage",
+        "done",
+        "error",
+    )
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.is_chat = request.kind == "chat"
+        # Completions ``echo`` goes out with the first real output, never before it: a chunk
+        # sent before the upstream answered would hide a failure from the router's retries.
+        self.pending_prompt: str | None = (
+            request.prompt if request.params.echo and isinstance(request.prompt, str) else None
+        )
+        self.has_output = False
+        self.finish_reason: FinishReason | None = None
+        self.usage: Usage | None = None
+        #: ``[DONE]`` arrived.
+        self.done = False
+        #: A broken event: raised once the chunks before it went out.
+        self.error: InfermuxError | None = None
 
 
 class OpenAICompatBackend:
@@ -124,13 +159,19 @@ class OpenAICompatBackend:
             logprobs=True, echo=True, structured_outputs=True, max_top_logprobs=20
         )
         self._base_url = self.options.base_url.rstrip("/")
+        #: For the native client: where the upstream listens and its API root's path.
+        self._host = url.host
+        self._port = url.port or (443 if url.scheme == "https" else 80)
+        self._base_path = url.raw_path.decode("ascii").rstrip("/")
+        self._native = self.options.http_transport == "native" and url.scheme == "http"
+        self._pool: Http1Pool | None = None
         self._client: httpx.AsyncClient | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Open the connection pool (nothing is sent until the first request)."""
-        if self._client is not None:
+        if self._pool is not None or self._client is not None:
             return
         headers = dict(self.options.headers)
         env_name = self.options.api_key_env
@@ -142,6 +183,14 @@ class OpenAICompatBackend:
                     f"backends.{self.name}.options.api_key_env is not set"
                 )
             headers["authorization"] = f"Bearer {key}"
+        if self._native:
+            self._pool = Http1Pool(
+                self._host,
+                self._port,
+                headers={**_NATIVE_HEADERS, **headers},
+                max_connections=self.options.max_connections,
+            )
+            return
         config = self.config
         limits = httpx.Limits(
             max_connections=self.options.max_connections,
@@ -154,15 +203,8 @@ class OpenAICompatBackend:
             write=config.connect_timeout,
             pool=config.first_byte_timeout,
         )
-        transport = None
-        if self.options.http_transport == "native" and self._base_url.startswith("http://"):
-            transport = Http1Transport(max_connections=self.options.max_connections)
         self._client = httpx.AsyncClient(
-            headers=headers,
-            timeout=timeout,
-            limits=limits,
-            verify=self.options.verify_tls,
-            transport=transport,
+            headers=headers, timeout=timeout, limits=limits, verify=self.options.verify_tls
         )
 
     def model_info(self) -> ModelInfo:
@@ -175,24 +217,28 @@ class OpenAICompatBackend:
 
     async def health(self) -> HealthStatus:
         """``GET {base_url}/models`` answers 200."""
-        client = await self._ensure_client()
         try:
-            response = await client.get(f"{self._base_url}/models", timeout=5.0)
+            async with asyncio.timeout(_HEALTH_TIMEOUT_S):
+                response = await self._open("GET", "/models", b"", {})
+                try:
+                    async for _ in response.aiter_bytes():
+                        pass
+                finally:
+                    await response.aclose()
+        except TimeoutError:
+            return HealthStatus(ok=False, detail=f"no answer within {_HEALTH_TIMEOUT_S:g} s")
         except httpx.HTTPError as exc:
             return HealthStatus(ok=False, detail=f"{type(exc).__name__}: {exc}")
         return HealthStatus(ok=response.status_code == 200, detail=f"HTTP {response.status_code}")
 
     async def aclose(self) -> None:
         """Close the connection pool. Idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.aclose()
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
-
-    async def _ensure_client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            await self.start()
-        assert self._client is not None
-        return self._client
 
     # -- serving --------------------------------------------------------------------------
 
@@ -201,134 +247,156 @@ class OpenAICompatBackend:
         return self._generate(request)
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        client = await self._ensure_client()
         path, body = request_body(request, model=self.options.model or request.model)
         headers = {"x-request-id": request.request_id}
         if request.traceparent:
             headers["traceparent"] = request.traceparent
-        http_request = client.build_request(
-            "POST", self._base_url + path, content=body, headers=headers
-        )
         config = self.config
         started = time.monotonic()
-        total_deadline = _earliest(
+        total_deadline = earliest(
             started + config.total_timeout if config.total_timeout is not None else None,
             request.deadline,
         )
-        first_deadline = _earliest(
+        first_deadline = earliest(
             started + config.first_byte_timeout if config.first_byte_timeout is not None else None,
             total_deadline,
         )
-        response = await self._send(client, http_request, first_deadline)
+        response = await self._send(path, body, headers, first_deadline)
         try:
             if response.status_code != 200:
                 raise await self._status_error(response)
-            async for chunk in self._events(
-                request, response, first_deadline=first_deadline, total_deadline=total_deadline
-            ):
-                yield chunk
+            # One generator from the network reads to the chunks (each layer of async
+            # generators costs an exception per chunk); events become chunks in _take.
+            events = _Events(request)
+            idle_timeout = config.idle_timeout
+            parser = SSEParser()
+            stream = response.aiter_bytes()
+            while not events.done:
+                if events.has_output:
+                    deadline = earliest(
+                        time.monotonic() + idle_timeout if idle_timeout is not None else None,
+                        total_deadline,
+                    )
+                else:
+                    deadline = first_deadline
+                try:
+                    with Deadline(deadline):
+                        data = await anext(stream, None)
+                except TimeoutError as exc:
+                    raise self._timeout_error(
+                        events.has_output,
+                        total_deadline is not None and deadline == total_deadline,
+                    ) from exc
+                except httpx.HTTPError as exc:
+                    raise self._broken_error(
+                        events.has_output, f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                for chunk in self._take(
+                    events, parser.feed(data) if data is not None else parser.close()
+                ):
+                    yield chunk
+                if events.error is not None:
+                    raise events.error
+                if data is None:
+                    break
+            if events.done:
+                await _drain(stream)
+            if events.finish_reason is None:
+                raise self._broken_error(
+                    events.has_output, "the upstream closed the stream before finishing"
+                )
+            if events.pending_prompt is not None:
+                yield GenerationChunk(prompt_text=events.pending_prompt)
+            yield GenerationChunk(finish_reason=events.finish_reason, usage=events.usage)
         finally:
             await response.aclose()
 
+    def _take(self, events: _Events, payloads: list[bytes]) -> list[GenerationChunk]:
+        """The output chunks of ``payloads``. A broken event sets ``events.error`` (raised
+        after the chunks before it went out) and stops; ``[DONE]`` sets ``events.done``."""
+        chunks: list[GenerationChunk] = []
+        is_chat = events.is_chat
+        for payload in payloads:
+            if payload == b"[DONE]":
+                events.done = True
+                break
+            try:
+                event = _chunk_decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                events.error = self._broken_error(events.has_output, f"undecodable event: {exc}")
+                events.error.__cause__ = exc
+                break
+            if event.error is not None:
+                events.error = self._broken_error(
+                    events.has_output, f"error event: {event.error.message}"
+                )
+                break
+            if event.usage is not None:
+                events.usage = event.usage.to_usage()
+            if not event.choices:
+                continue
+            choice = event.choices[0]
+            if choice.finish_reason is not None:
+                reason = choice.finish_reason
+                events.finish_reason = reason if reason in _FINISH_REASONS else "stop"  # type: ignore[assignment]
+            if is_chat:
+                text = choice.delta.content if choice.delta is not None else None
+            else:
+                text = choice.text
+            logprobs = None
+            if choice.logprobs is not None:
+                logprobs = (chat_logprobs if is_chat else completion_logprobs)(choice.logprobs)
+            if text or logprobs:
+                events.has_output = True
+                chunks.append(
+                    GenerationChunk(
+                        text=text or "", logprobs=logprobs, prompt_text=events.pending_prompt
+                    )
+                )
+                events.pending_prompt = None
+        return chunks
+
+    async def _open(
+        self, method: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> UpstreamResponse:
+        """Send a request to ``{base_url}{path}``; the response body is still to be read."""
+        if self._pool is None and self._client is None:
+            await self.start()
+        if self._pool is not None:
+            return await self._pool.request(
+                method,
+                self._base_path + path,
+                headers,
+                body,
+                connect_timeout=self.config.connect_timeout,
+                pool_timeout=self.config.first_byte_timeout,
+            )
+        assert self._client is not None
+        http_request = self._client.build_request(
+            method, self._base_url + path, content=body, headers=headers
+        )
+        return await self._client.send(http_request, stream=True)
+
     async def _send(
-        self, client: httpx.AsyncClient, http_request: httpx.Request, deadline: float | None
-    ) -> httpx.Response:
+        self, path: str, body: bytes, headers: dict[str, str], deadline: float | None
+    ) -> UpstreamResponse:
         try:
-            async with asyncio.timeout_at(_loop_time(deadline)):
-                return await client.send(http_request, stream=True)
+            with Deadline(deadline):
+                return await self._open("POST", path, body, headers)
         except TimeoutError as exc:
             raise UpstreamTimeoutError(
-                f"backend {self.name!r}: no response from {http_request.url.host} within the "
+                f"backend {self.name!r}: no response from {self._host} within the "
                 "first-byte timeout"
             ) from exc
         except httpx.TimeoutException as exc:
             raise UpstreamTimeoutError(
-                f"backend {self.name!r}: timed out connecting to {http_request.url.host}: {exc}"
+                f"backend {self.name!r}: timed out connecting to {self._host}: {exc}"
             ) from exc
         except httpx.HTTPError as exc:
             raise BackendUnavailableError(
-                f"backend {self.name!r}: cannot reach {http_request.url.host}:"
-                f"{http_request.url.port}: {type(exc).__name__}: {exc}"
+                f"backend {self.name!r}: cannot reach {self._host}:{self._port}: "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
-
-    async def _events(
-        self,
-        request: GenerationRequest,
-        response: httpx.Response,
-        *,
-        first_deadline: float | None,
-        total_deadline: float | None,
-    ) -> AsyncIterator[GenerationChunk]:
-        is_chat = request.kind == "chat"
-        idle_timeout = self.config.idle_timeout
-        parser = SSEParser()
-        stream = response.aiter_bytes()
-        # Completions ``echo`` goes out with the first real output, never before it: a chunk
-        # sent before the upstream answered would hide a failure from the router's retries.
-        pending_prompt: str | None = (
-            request.prompt if request.params.echo and isinstance(request.prompt, str) else None
-        )
-        has_output = False
-        finish_reason: FinishReason | None = None
-        usage: Usage | None = None
-        done = False
-        while not done:
-            if has_output:
-                deadline = _earliest(
-                    time.monotonic() + idle_timeout if idle_timeout is not None else None,
-                    total_deadline,
-                )
-            else:
-                deadline = first_deadline
-            try:
-                async with asyncio.timeout_at(_loop_time(deadline)):
-                    data = await anext(stream, None)
-            except TimeoutError as exc:
-                raise self._timeout_error(
-                    has_output, total_deadline is not None and deadline == total_deadline
-                ) from exc
-            except httpx.HTTPError as exc:
-                raise self._broken_error(has_output, f"{type(exc).__name__}: {exc}") from exc
-            payloads = parser.feed(data) if data is not None else parser.close()
-            for payload in payloads:
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                try:
-                    event = _chunk_decoder.decode(payload)
-                except msgspec.DecodeError as exc:
-                    raise self._broken_error(has_output, f"undecodable event: {exc}") from exc
-                if event.error is not None:
-                    raise self._broken_error(has_output, f"error event: {event.error.message}")
-                if event.usage is not None:
-                    usage = event.usage.to_usage()
-                if not event.choices:
-                    continue
-                choice = event.choices[0]
-                if choice.finish_reason is not None:
-                    reason = choice.finish_reason
-                    finish_reason = reason if reason in _FINISH_REASONS else "stop"  # type: ignore[assignment]
-                if is_chat:
-                    text = choice.delta.content if choice.delta is not None else None
-                    logprobs = chat_logprobs(choice.logprobs)
-                else:
-                    text = choice.text
-                    logprobs = completion_logprobs(choice.logprobs)
-                if text or logprobs:
-                    has_output = True
-                    yield GenerationChunk(
-                        text=text or "", logprobs=logprobs, prompt_text=pending_prompt
-                    )
-                    pending_prompt = None
-            if data is None:
-                break
-        if done:
-            await _drain(stream)
-        if finish_reason is None:
-            raise self._broken_error(has_output, "the upstream closed the stream before finishing")
-        if pending_prompt is not None:
-            yield GenerationChunk(prompt_text=pending_prompt)
-        yield GenerationChunk(finish_reason=finish_reason, usage=usage)
 
     def _timeout_error(self, has_output: bool, total_was_binding: bool) -> InfermuxError:
         # Decided by which deadline was binding, not by re-reading the clock: the loop may
@@ -349,7 +417,7 @@ class OpenAICompatBackend:
         # Before any output the router may still try elsewhere; after, it must not.
         return BackendError(message) if has_output else UpstreamStatusError(message)
 
-    async def _status_error(self, response: httpx.Response) -> InfermuxError:
+    async def _status_error(self, response: UpstreamResponse) -> InfermuxError:
         status = response.status_code
         message, param, code = await read_error_body(response)
         retry_after = retry_after_seconds(response.headers)
@@ -381,23 +449,11 @@ class OpenAICompatBackend:
 async def _drain(stream: AsyncIterator[bytes]) -> None:
     """Read what follows ``[DONE]`` (the closing chunk) so the connection can be reused."""
     try:
-        async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+        with Deadline(time.monotonic() + _DRAIN_TIMEOUT_S):
             async for _ in stream:
                 pass
     except (TimeoutError, httpx.HTTPError):
         pass  # the connection is closed instead of pooled; nothing is lost
-
-
-def _earliest(*deadlines: float | None) -> float | None:
-    present = [d for d in deadlines if d is not None]
-    return min(present) if present else None
-
-
-def _loop_time(deadline: float | None) -> float | None:
-    """A ``time.monotonic()`` deadline in the running loop's clock (for ``asyncio.timeout_at``)."""
-    if deadline is None:
-        return None
-    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
 def create_backend(config: BackendConfig) -> OpenAICompatBackend:

@@ -15,6 +15,10 @@ the first byte divided by the chunks after the first. Target on the dev machine:
 <= 1 ms, p99 <= 5 ms. Every process runs on this machine, so the figures include the CPU
 the gateways take from the client and the upstream (as a sidecar gateway would).
 
+Each scenario also reports the CPU time each gateway process (and the upstream) used per
+request it served (``/proc``, Linux): on a shared, noisy machine this moves far less than
+wall-clock percentiles do.
+
     .venv/bin/python benchmarks/gateway_overhead.py                 # full run
     .venv/bin/python benchmarks/gateway_overhead.py --quick         # a short proof run
     .venv/bin/python benchmarks/gateway_overhead.py --no-litellm    # infermux only
@@ -37,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +54,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 LITELLM_VENV = ROOT / ".venv-litellm"
 ALIAS = "bench"
 TARGETS = ("direct", "infermux", "litellm")
+#: Sequential rounds run before the measured ones (connections, caches).
+_WARMUP = 20
 #: LiteLLM's proxy refuses to start without a master key; every target gets the same header.
 MASTER_KEY = "sk-bench-" + os.urandom(16).hex()
+
+#: target -> {"total": latencies, and for streams "first": times to first byte}, seconds.
+Samples = dict[str, dict[str, list[float]]]
 
 
 def _run_infermux(config_path: Path, port: int) -> None:
@@ -62,7 +71,16 @@ def _run_infermux(config_path: Path, port: int) -> None:
     from gateway.config import load_config
 
     app = create_app(load_config(config_path))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    # What `infermux serve` picks when uvicorn[standard] is installed, made explicit here.
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+    )
 
 
 # -- processes ----------------------------------------------------------------------------
@@ -102,6 +120,37 @@ def _process(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (all its threads) so far; None off Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _CpuMeter:
+    """CPU time per request of the gateway processes and the upstream, per scenario."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+
+    def measure(
+        self, scenario: Callable[[], tuple[Samples, int]]
+    ) -> tuple[Samples, dict[str, float]]:
+        """Run ``scenario``; its samples and each process's CPU µs per request it served
+        (a gateway serves its target's requests, the upstream every target's)."""
+        before = {name: _cpu_seconds(pid) for name, pid in self.pids.items()}
+        samples, per_target = scenario()
+        cpu: dict[str, float] = {}
+        for name, pid in self.pids.items():
+            start, end = before[name], _cpu_seconds(pid)
+            if start is not None and end is not None:
+                served = per_target * (len(samples) if name == "upstream" else 1)
+                cpu[name] = 1e6 * (end - start) / served
+        return samples, cpu
 
 
 def _ensure_litellm() -> Path:
@@ -146,18 +195,19 @@ def _body(target: str, stream: bool, chunks: int) -> bytes:
 
 def _sequential(
     urls: dict[str, str], *, requests: int, stream: bool, chunks: int, label: str
-) -> dict[str, dict[str, list[float]]]:
-    """Latency (and for streams, first byte) per target; targets interleaved per request."""
+) -> tuple[Samples, int]:
+    """Latency (and for streams, first byte) per target; targets interleaved per request.
+    Also the number of requests each target served, warm-up included."""
     import httpx
     from tqdm import tqdm
 
     headers = {"content-type": "application/json", "authorization": f"Bearer {MASTER_KEY}"}
     clients = {t: httpx.Client(base_url=u, headers=headers, timeout=30.0) for t, u in urls.items()}
-    samples: dict[str, dict[str, list[float]]] = {t: {"total": [], "first": []} for t in urls}
+    samples: Samples = {t: {"total": [], "first": []} for t in urls}
     bodies = {t: _body(t, stream, chunks) for t in urls}
     names = list(urls)
     try:
-        for i in tqdm(range(requests + 20), desc=label, unit="round", leave=False):
+        for i in tqdm(range(_WARMUP + requests), desc=label, unit="round", leave=False):
             rotation = names[i % len(names) :] + names[: i % len(names)]
             for target in rotation:
                 client = clients[target]
@@ -172,13 +222,13 @@ def _sequential(
                     if response.status_code != 200:
                         raise RuntimeError(f"{target}: HTTP {response.status_code}")
                 total = time.perf_counter() - started
-                if i >= 20:  # the first rounds warm connections and caches
+                if i >= _WARMUP:  # the first rounds warm connections and caches
                     samples[target]["total"].append(total)
                     samples[target]["first"].append(first if first is not None else total)
     finally:
         for client in clients.values():
             client.close()
-    return samples
+    return samples, _WARMUP + requests
 
 
 async def _concurrent_round(url: str, body: bytes, requests: int, concurrency: int) -> list[float]:
@@ -207,10 +257,11 @@ async def _concurrent_round(url: str, body: bytes, requests: int, concurrency: i
 
 def _concurrent(
     urls: dict[str, str], *, requests: int, concurrency: int, rounds: int, chunks: int
-) -> dict[str, dict[str, list[float]]]:
+) -> tuple[Samples, int]:
+    """Latencies per target, a round at a time; also the requests each target served."""
     from tqdm import tqdm
 
-    samples: dict[str, dict[str, list[float]]] = {t: {"total": []} for t in urls}
+    samples: Samples = {t: {"total": []} for t in urls}
     names = list(urls)
     per_round = max(concurrency, requests // rounds)
     for r in tqdm(range(rounds + 1), desc=f"concurrent x{concurrency}", unit="round", leave=False):
@@ -222,7 +273,7 @@ def _concurrent(
             )
             if r > 0:  # round 0 warms up
                 samples[target]["total"].extend(latencies)
-    return samples
+    return samples, (rounds + 1) * per_round
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -231,9 +282,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def _summary(
-    samples: dict[str, dict[str, list[float]]], chunks: int | None = None
-) -> dict[str, Any]:
+def _summary(samples: Samples, chunks: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"latency_ms": {}, "added_ms": {}}
     for target, series in samples.items():
         total = series["total"]
@@ -360,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         _wait_http(f"http://127.0.0.1:{infermux_port}/ready", infermux, 120, "infermux")
         urls = {"direct": upstream_url, "infermux": f"http://127.0.0.1:{infermux_port}"}
+        pids = {"upstream": upstream.pid, "infermux": infermux.pid}
         if not args.no_litellm:
             litellm = _ensure_litellm()
             litellm_config = Path(tmp) / "litellm.yaml"
@@ -396,28 +446,43 @@ def main(argv: list[str] | None = None) -> int:
                 f"http://127.0.0.1:{litellm_port}/health/liveliness", proxy, 300, "LiteLLM proxy"
             )
             urls["litellm"] = f"http://127.0.0.1:{litellm_port}"
+            pids["litellm"] = proxy.pid
 
+        meter = _CpuMeter(pids)
         results: dict[str, Any] = {}
-        results["sequential"] = _summary(
-            _sequential(
-                urls, requests=args.requests, stream=False, chunks=args.chunks, label="sequential"
-            )
-        )
-        results["sequential_stream"] = _summary(
-            _sequential(
-                urls, requests=args.requests, stream=True, chunks=args.chunks, label="streaming"
+        for scenario, run, chunks in (
+            (
+                "sequential",
+                lambda: _sequential(
+                    urls,
+                    requests=args.requests,
+                    stream=False,
+                    chunks=args.chunks,
+                    label="sequential",
+                ),
+                None,
             ),
-            chunks=args.chunks,
-        )
-        results[f"concurrent_{args.concurrency}"] = _summary(
-            _concurrent(
-                urls,
-                requests=args.concurrent_requests,
-                concurrency=args.concurrency,
-                rounds=4,
-                chunks=args.chunks,
-            )
-        )
+            (
+                "sequential_stream",
+                lambda: _sequential(
+                    urls, requests=args.requests, stream=True, chunks=args.chunks, label="streaming"
+                ),
+                args.chunks,
+            ),
+            (
+                f"concurrent_{args.concurrency}",
+                lambda: _concurrent(
+                    urls,
+                    requests=args.concurrent_requests,
+                    concurrency=args.concurrency,
+                    rounds=4,
+                    chunks=args.chunks,
+                ),
+                None,
+            ),
+        ):
+            samples, cpu = meter.measure(run)
+            results[scenario] = _summary(samples, chunks=chunks) | {"cpu_us_per_request": cpu}
 
     ratios = _ratios(results)
     print_table(results, ratios)

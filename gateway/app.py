@@ -22,10 +22,10 @@ from litestar.openapi import OpenAPIConfig
 
 from backends.base import Backend, BackendConfig
 from backends.errors import InfermuxError
-from gateway.auth import api_key_guard
 from gateway.config import ConfigError, InfermuxConfig, check_registered_names
-from gateway.controllers import CONTROLLERS
+from gateway.controllers import CONTROLLERS, GENERATION_ENDPOINTS
 from gateway.errors import handle_exception
+from gateway.generation_endpoint import generation_handlers
 from gateway.header_limit import header_limit_middleware
 from gateway.openapi import complete_openapi
 from gateway.state import GatewayState
@@ -87,12 +87,12 @@ def create_app(
             await state.shutdown()
 
     app = Litestar(
-        route_handlers=list(CONTROLLERS),
+        route_handlers=[*generation_handlers(GENERATION_ENDPOINTS, state), *CONTROLLERS],
         dependencies={"gateway": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
-        # Header size first (431), then the API key (401/403), then the handler.
+        # Header size first (431), then the API key (401/403: the /v1/ controllers' guard,
+        # the generation endpoints' own check), then the handler.
         middleware=[header_limit_middleware(config.limits.max_header_bytes)],
-        guards=[api_key_guard],
         lifespan=[lifespan],
         state=State({"gateway": state}),
         request_max_body_size=config.server.max_body_bytes,
@@ -101,7 +101,7 @@ def create_app(
         logging_config=None,
         debug=False,
     )
-    complete_openapi(app)
+    complete_openapi(app, GENERATION_ENDPOINTS)
     return app
 
 

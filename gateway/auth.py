@@ -17,16 +17,18 @@ address (:func:`check_exposure`). Paths outside ``/v1/`` (``/health``, ``/ready`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
+from litestar.types import Scope
 
 from backends.errors import AuthenticationError, PermissionDeniedError
 from gateway.config import ApiKeyConfig, ConfigError, InfermuxConfig
@@ -36,6 +38,7 @@ __all__ = [
     "KeyStore",
     "api_key_guard",
     "api_key_of",
+    "authorize",
     "check_exposure",
     "generate_key",
     "hash_key",
@@ -49,7 +52,6 @@ KEY_PREFIX = "imx-"
 #: Longer presented keys are refused before hashing (no real key is anywhere near this).
 _MAX_KEY_CHARS = 512
 _SCOPE_KEY = "infermux.api_key"
-_PROTECTED_PREFIX = "/v1/"
 _CHALLENGE = {"www-authenticate": 'Bearer realm="infermux"'}
 
 
@@ -63,8 +65,12 @@ def generate_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+@functools.lru_cache(maxsize=1024)
 def is_loopback(host: str | None) -> bool:
-    """``127.0.0.0/8``, ``::1`` and ``localhost``; ``None`` (a Unix socket) counts as local."""
+    """``127.0.0.0/8``, ``::1`` and ``localhost``; ``None`` (a Unix socket) counts as local.
+
+    Asked for every request in open mode; the answers are remembered (parsing an address
+    costs more than the rest of the check)."""
     if host is None:
         return True
     if host == "localhost":
@@ -117,25 +123,26 @@ class KeyStore:
         return found
 
 
-def presented_key(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
-    """The key a request carries (``Authorization: Bearer`` first, then ``x-api-key``)."""
-    authorization = connection.headers.get("authorization")
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request carries (``Authorization: Bearer`` first, then ``x-api-key``).
+
+    ``headers`` are looked up by lower-case name (Litestar's headers, or a plain dict of an
+    ASGI scope's headers, whose names ASGI servers lower-case).
+    """
+    authorization = headers.get("authorization")
     if authorization is not None:
         scheme, _, value = authorization.strip().partition(" ")
         if scheme.lower() != "bearer":
             return ""  # present but unusable: a wrong key, not a missing one
         return value.strip()
-    return connection.headers.get("x-api-key")
+    return headers.get("x-api-key")
 
 
-def api_key_guard(
-    connection: ASGIConnection[Any, Any, Any, Any], _handler: BaseRouteHandler
-) -> None:
-    """Litestar guard (app-wide): authenticate ``/v1/`` requests, remember the key's entry."""
-    if not connection.scope["path"].startswith(_PROTECTED_PREFIX):
-        return
-    store: KeyStore = connection.app.state["gateway"].key_store
-    client = connection.scope.get("client")
+def authorize(scope: Scope, headers: Mapping[str, str], store: KeyStore) -> ApiKeyConfig | None:
+    """Authenticate a ``/v1/`` request; its key's entry (None in open mode), also kept in the
+    scope for :func:`api_key_of`. 401 / 403 as :class:`AuthenticationError` /
+    :class:`PermissionDeniedError`."""
+    client = scope.get("client")
     host = client[0] if client else None
     if store.is_open:
         if not is_loopback(host):
@@ -144,13 +151,22 @@ def api_key_guard(
                 "this infermux has no API keys configured and serves only clients on the same "
                 "machine"
             )
-        return
+        return None
     try:
-        entry = store.authenticate(presented_key(connection))
+        entry = store.authenticate(presented_key(headers))
     except AuthenticationError:
         logger.info("refused a request from %s: missing or invalid API key", host)
         raise
-    connection.scope[_SCOPE_KEY] = entry  # type: ignore[literal-required]
+    scope[_SCOPE_KEY] = entry  # type: ignore[literal-required]
+    return entry
+
+
+async def api_key_guard(
+    connection: ASGIConnection[Any, Any, Any, Any], _handler: BaseRouteHandler
+) -> None:
+    """Litestar guard of the ``/v1/`` controllers (the generation endpoints call
+    :func:`authorize` themselves): authenticate, remember the key's entry."""
+    authorize(connection.scope, connection.headers, connection.app.state["gateway"].key_store)
 
 
 def api_key_of(connection: ASGIConnection[Any, Any, Any, Any]) -> ApiKeyConfig | None:

@@ -1,8 +1,9 @@
 """Checks on the raw JSON body that its typed decoding cannot make.
 
-By the time a handler runs, Litestar has decoded the body into the wire Struct with msgspec,
-which already refuses what is not JSON (``NaN``, ``Infinity``, lone surrogates, invalid
-UTF-8, truncation) and absurd nesting. Two things are invisible in the typed result:
+By the time this runs, the body was decoded into the wire Struct with msgspec
+(gateway/generation_endpoint.py), which already refuses what is not JSON (``NaN``,
+``Infinity``, lone surrogates, invalid UTF-8, truncation) and absurd nesting. Two things
+are invisible in the typed result:
 
 - duplicate keys (``{"model": "a", "model": "b"}``): parsers disagree on which one wins, so
   a proxy in front of infermux could check one value while infermux used the other. 400.
@@ -71,7 +72,9 @@ def check_raw_body(raw: bytes) -> None:
             code="invalid_json",
         ) from None
     except (UnicodeDecodeError, ValueError) as exc:  # msgspec accepted it; be safe anyway
-        raise InvalidRequestError(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        raise InvalidRequestError(
+            f"the body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
     check_smuggled_fields(body)
     if isinstance(body, Mapping):
         for field in sorted(GUIDED_DECODING_FIELDS.intersection(body)):

@@ -20,48 +20,36 @@ def unsupported_parameter(
 ) -> UnsupportedParameterError | None:
     """The error for the first parameter ``capabilities`` rule out, else None."""
     params = request.params
-    is_chat = request.kind == "chat"
-    checks: list[tuple[bool, str, str]] = [
-        (
-            (params.logprobs or params.top_logprobs > 0) and not capabilities.logprobs,
-            "logprobs",
-            "logprobs",
-        ),
-        (
-            capabilities.logprobs and params.top_logprobs > capabilities.max_top_logprobs,
-            "top_logprobs" if is_chat else "logprobs",
+    # Checked in this order; (parameter, what is not supported) for the first refused one.
+    refused: tuple[str, str] | None = None
+    if (params.logprobs or params.top_logprobs > 0) and not capabilities.logprobs:
+        refused = ("logprobs", "logprobs")
+    elif capabilities.logprobs and params.top_logprobs > capabilities.max_top_logprobs:
+        refused = (
+            "top_logprobs" if request.kind == "chat" else "logprobs",
             f"more than {capabilities.max_top_logprobs} top logprobs",
-        ),
-        (params.echo and not capabilities.echo, "echo", "echo"),
-        (params.top_k is not None and not capabilities.top_k, "top_k", "top_k"),
-        (params.min_p > 0.0 and not capabilities.min_p, "min_p", "min_p"),
-        (params.seed is not None and not capabilities.seed, "seed", "seed"),
-        (
-            params.presence_penalty != 0.0 and not capabilities.penalties,
-            "presence_penalty",
-            "presence_penalty",
-        ),
-        (
-            params.frequency_penalty != 0.0 and not capabilities.penalties,
-            "frequency_penalty",
-            "frequency_penalty",
-        ),
-        (
-            params.repetition_penalty != 1.0 and not capabilities.repetition_penalty,
-            "repetition_penalty",
-            "repetition_penalty",
-        ),
-        (
-            request.response_format is not None and not capabilities.structured_outputs,
-            "response_format",
-            "structured outputs (response_format)",
-        ),
-    ]
-    for refused, param, what in checks:
-        if refused:
-            return UnsupportedParameterError(
-                f"{what} is not supported by the backend {backend_name!r} that serves the "
-                f"model {request.model!r}",
-                param=param,
-            )
-    return None
+        )
+    elif params.echo and not capabilities.echo:
+        refused = ("echo", "echo")
+    elif params.top_k is not None and not capabilities.top_k:
+        refused = ("top_k", "top_k")
+    elif params.min_p > 0.0 and not capabilities.min_p:
+        refused = ("min_p", "min_p")
+    elif params.seed is not None and not capabilities.seed:
+        refused = ("seed", "seed")
+    elif params.presence_penalty != 0.0 and not capabilities.penalties:
+        refused = ("presence_penalty", "presence_penalty")
+    elif params.frequency_penalty != 0.0 and not capabilities.penalties:
+        refused = ("frequency_penalty", "frequency_penalty")
+    elif params.repetition_penalty != 1.0 and not capabilities.repetition_penalty:
+        refused = ("repetition_penalty", "repetition_penalty")
+    elif request.response_format is not None and not capabilities.structured_outputs:
+        refused = ("response_format", "structured outputs (response_format)")
+    if refused is None:
+        return None
+    param, what = refused
+    return UnsupportedParameterError(
+        f"{what} is not supported by the backend {backend_name!r} that serves the "
+        f"model {request.model!r}",
+        param=param,
+    )

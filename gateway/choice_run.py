@@ -264,6 +264,27 @@ class ChoiceRun:
                 choice.outcome = "finished"
                 remaining -= 1
 
+    async def collect(self, add: Callable[[int, GenerationChunk], None]) -> None:
+        """Hand every chunk to ``add(position, chunk)`` in arrival order (an answer sent in
+        one body); raises the first choice error, as :meth:`events` does. A single choice's
+        stream pushes its chunks (:meth:`RoutedStream.feed`): no iterator step, generator
+        layer and exception per chunk."""
+        if len(self.choices) != 1:
+            async for position, chunk in self.events():
+                add(position, chunk)
+            return
+        choice = self.choices[0]
+
+        def take(chunk: GenerationChunk) -> None:
+            _account(choice, chunk)
+            add(0, chunk)
+
+        try:
+            await choice.stream.feed(take)
+        except Exception as exc:
+            raise self._fail(choice, exc) from exc
+        choice.outcome = "finished"
+
     def total_usage(self) -> UsageInfo:
         """OpenAI's accounting: each prompt counted once (not ``n`` times), outputs summed."""
         prompt_tokens = 0

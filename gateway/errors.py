@@ -2,10 +2,11 @@
 
 ``{"error": {"message", "type", "param", "code"}}`` for :class:`InfermuxError` subclasses
 (status, ``Retry-After`` and extra headers from the error), for Litestar's own 404 / 405 /
-413 / validation / malformed-body errors (400 with ``param`` taken from msgspec's path:
-``$.messages[0].role`` -> ``messages[0].role``) and for anything unexpected (500, logged,
-with the request id in the message). Streams that already started get the same body as an
-SSE frame (:func:`error_frame`).
+parameter-validation errors, for request bodies msgspec refused (400 with ``param`` taken
+from msgspec's path: ``$.messages[0].role`` -> ``messages[0].role``, see
+:func:`invalid_body_error`) and for anything unexpected (500, logged, with the request id in
+the message). Streams that already started get the same body as an SSE frame
+(:func:`error_frame`).
 """
 
 from __future__ import annotations
@@ -17,23 +18,13 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import (
-    ClientException,
     HTTPException,
-    InternalServerException,
     MethodNotAllowedException,
     NotFoundException,
-    SerializationException,
     ValidationException,
 )
-from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
-from backends.errors import (
-    GenerationAbortedError,
-    InfermuxError,
-    InvalidRequestError,
-    NotFoundError,
-    RequestTooLargeError,
-)
+from backends.errors import InfermuxError, InvalidRequestError, NotFoundError
 from gateway.request_id import REQUEST_ID_HEADER, request_id_of
 from gateway.validation_message import split_validation_message
 
@@ -42,14 +33,13 @@ __all__ = [
     "error_frame",
     "error_response",
     "handle_exception",
+    "invalid_body_error",
     "to_infermux_error",
 ]
 
 logger = logging.getLogger("gateway")
 
 _encoder = msgspec.json.Encoder()
-#: The detail of the ``InternalServerException`` Litestar raises when the body is cut short.
-_CLIENT_GONE = "client disconnected prematurely"
 
 
 class MethodNotAllowedError(InvalidRequestError):
@@ -71,20 +61,10 @@ def to_infermux_error(exc: BaseException, request_id: str | None = None) -> Infe
         return exc
     if isinstance(exc, ValidationException):
         return _validation_error(exc)
-    if isinstance(exc, RequestEntityTooLarge):
-        return RequestTooLargeError("the request body is larger than this server accepts")
     if isinstance(exc, NotFoundException):
         return NotFoundError(exc.detail if exc.detail != "Not Found" else "no such endpoint")
     if isinstance(exc, MethodNotAllowedException):
         return MethodNotAllowedError("this endpoint does not accept that HTTP method")
-    if isinstance(exc, SerializationException) or (
-        isinstance(exc, ClientException) and isinstance(exc.__cause__, SerializationException)
-    ):
-        detail = exc.detail if isinstance(exc, ClientException) else str(exc)
-        return InvalidRequestError(f"the body is not valid JSON: {detail}", code="invalid_json")
-    if isinstance(exc, InternalServerException) and exc.detail == _CLIENT_GONE:
-        # Litestar's way of saying the body never arrived: nothing to log, nobody to answer.
-        return GenerationAbortedError("the client disconnected before its request was read")
     if isinstance(exc, RecursionError):
         # msgspec's decoder refuses absurdly deep nesting this way.
         return InvalidRequestError("the JSON body is nested too deeply", code="invalid_json")
@@ -128,26 +108,32 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
     return error_response(to_infermux_error(exc, request_id), request_id)
 
 
+def invalid_body_error(exc: msgspec.ValidationError) -> InvalidRequestError:
+    """400 for a request body msgspec could not convert to the endpoint's type."""
+    message = str(exc)
+    param, reason = split_validation_message(message)
+    return _invalid_value(param, reason, message)
+
+
 def _validation_error(exc: ValidationException) -> InvalidRequestError:
+    # Litestar's signature model refused a query or path parameter.
     extra = exc.extra
-    detail = exc.detail
     if isinstance(extra, list) and extra and isinstance(extra[0], dict):
         first = extra[0]
-        message = str(first.get("message", detail))
+        message = str(first.get("message", exc.detail))
         key = first.get("key")
         param, reason = split_validation_message(message)
-        if isinstance(key, str) and key not in ("data", "body"):
+        if isinstance(key, str):
             param = key if param is None else f"{key}.{param}"
-        if param is not None and param.startswith("data."):
-            param = param[len("data.") :]
-        if param is None and message.startswith("Expected `object`"):
-            reason = "the body must be a JSON object"
-        if key == "data" and isinstance(exc.__cause__, msgspec.ValidationError):
-            if "missing required field `data`" in str(exc.__cause__):
-                return InvalidRequestError("the request body is empty; send a JSON object")
-        text = f"invalid value for '{param}': {reason}" if param else reason
-        return InvalidRequestError(text, param=param)
-    return InvalidRequestError(str(detail) or "invalid request")
+        return _invalid_value(param, reason, message)
+    return InvalidRequestError(str(exc.detail) or "invalid request")
+
+
+def _invalid_value(param: str | None, reason: str, message: str) -> InvalidRequestError:
+    if param is None and message.startswith("Expected `object`"):
+        reason = "the body must be a JSON object"
+    text = f"invalid value for '{param}': {reason}" if param else reason
+    return InvalidRequestError(text, param=param)
 
 
 def _http_detail(exc: HTTPException) -> str:

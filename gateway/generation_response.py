@@ -2,16 +2,19 @@
 
 First the request is admitted (gateway/rate_limit.py: per-key limits, then a global slot,
 possibly after waiting in the queue); the slot is held until the upstream work has ended.
-Errors before the first byte leave as ordinary HTTP errors (the router may have retried on
-other backends already). After the first byte of a stream an error becomes a
-``data: {"error": ...}`` frame and the stream ends without ``[DONE]``. A client that goes
-away aborts the upstream work: streaming through Litestar's disconnect listener,
-non-streaming through :func:`_while_connected`. The slot is freed as soon as the upstream
-work has stopped, before plugins hear how each choice ended.
+Errors before the first byte are raised, and leave as ordinary HTTP errors through the
+app's exception handling (the router may have retried on other backends already). After
+the first byte of a stream an error becomes a ``data: {"error": ...}`` frame and the stream
+ends without ``[DONE]``. A client that goes away aborts the upstream work: until the answer
+starts through :func:`_while_connected`, then (streams) through the streaming response's
+disconnect listener. The slot is freed as soon as the upstream work has stopped, before
+plugins hear how each choice ended.
 
 The final bytes (``data: [DONE]``, the JSON body, an SSE error frame) go out only after
 ``on_request_end`` returned (:func:`_end`): the usage ledger has committed the request's
 record by then, so a completed response is never missing from it.
+
+Answers are written as ASGI messages (see gateway/generation_endpoint.py for why).
 """
 
 from __future__ import annotations
@@ -19,18 +22,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import anyio
 import msgspec
-from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
-from litestar.response import Stream
+from litestar.response.streaming import ASGIStreamingResponse
+from litestar.types import Receive, Scope, Send
 
 from backends.base import GenerationChunk, GenerationRequest
 from backends.errors import GenerationAbortedError, InfermuxError
-from gateway.auth import api_key_of
 from gateway.choice_run import ChoiceRun
+from gateway.config import ApiKeyConfig
 from gateway.errors import error_frame, to_infermux_error
 from gateway.rate_limit import Grant
 from gateway.request_id import REQUEST_ID_HEADER
@@ -38,7 +41,7 @@ from gateway.schemas import UsageInfo
 from gateway.sse import DONE_FRAME, SSE_HEADERS
 from gateway.state import GatewayState
 
-__all__ = ["BACKEND_HEADER", "OutputBuilder", "respond"]
+__all__ = ["BACKEND_HEADER", "Generation", "OutputBuilder", "respond"]
 
 logger = logging.getLogger("gateway")
 
@@ -61,88 +64,67 @@ class OutputBuilder(Protocol):
     def end_frames(self, usage: UsageInfo) -> bytes: ...
 
 
+class Generation(NamedTuple):
+    """A decoded generation request: its choices and how to answer them."""
+
+    requests: list[GenerationRequest]
+    output: OutputBuilder
+    n: int
+    stream: bool
+
+
 async def respond(
-    request: Request[Any, Any, Any],
+    scope: Scope,
+    receive: Receive,
+    send: Send,
     gateway: GatewayState,
-    requests: Sequence[GenerationRequest],
-    output: OutputBuilder,
+    generation: Generation,
     *,
-    n: int,
-    stream: bool,
     request_id: str,
-) -> Response[Any]:
+    api_key: ApiKeyConfig | None,
+    pinned_backend: str | None,
+) -> None:
     """Open the choices through the router and answer with a body or a stream."""
     router = gateway.require_router()
-    api_key = api_key_of(request)
+    requests: Sequence[GenerationRequest] = generation.requests
     if api_key is not None:
         requests = [
             msgspec.structs.replace(r, tenant=api_key.tenant, api_key_id=api_key.id)
             for r in requests
         ]
-    pinned = request.headers.get(BACKEND_HEADER) or None
-    capture_output = gateway.config.telemetry.tracing.record_content
-    grant = await _while_connected(request, gateway.admission.admit(api_key))
-    if stream:
+    output = generation.output
+
+    async def admitted_run(*, collect: bool) -> tuple[Grant, ChoiceRun]:
+        """Admission, then the choices opened and, for an answer in one body, read."""
+        grant = await gateway.admission.admit(api_key)
         try:
-            # Until the first chunk exists a disconnect is watched here; then by the Stream.
-            run = await _while_connected(
-                request,
-                ChoiceRun.open(
-                    router=router,
-                    hooks=gateway.hooks,
-                    requests=requests,
-                    n=n,
-                    pinned_backend=pinned,
-                    capture_output=capture_output,
-                ),
+            run = await ChoiceRun.open(
+                router=router,
+                hooks=gateway.hooks,
+                requests=requests,
+                n=generation.n,
+                pinned_backend=pinned_backend,
+                capture_output=gateway.config.telemetry.tracing.record_content,
             )
         except BaseException:
             grant.release()
             raise
-        frames = _sse(run, output, request_id, grant)
+        if collect:
+            try:
+                await run.collect(output.add)
+            except BaseException:
+                await _settle(run, grant)
+                await run.report()
+                raise
+        return grant, run
 
-        async def finish_stream() -> None:
-            # Runs after a disconnect too; closing a finished generator is a no-op, and a
-            # generator that never started still gets its run aborted and reported here.
-            await frames.aclose()
-            await _settle(run, grant)
-            await run.report()
+    if generation.stream:
+        # Until the first chunk exists a disconnect is watched here; then by the response.
+        grant, run = await _while_connected(receive, admitted_run(collect=False))
+        await _stream(scope, receive, send, run, output, grant, request_id)
+        return
 
-        return Stream(
-            frames,
-            media_type="text/event-stream",
-            headers={
-                **SSE_HEADERS,
-                **grant.headers,
-                BACKEND_HEADER: ", ".join(run.backend_names),
-                REQUEST_ID_HEADER: request_id,
-            },
-            background=BackgroundTask(finish_stream),
-        )
-
-    async def collect() -> ChoiceRun:
-        run = await ChoiceRun.open(
-            router=router,
-            hooks=gateway.hooks,
-            requests=requests,
-            n=n,
-            pinned_backend=pinned,
-            capture_output=capture_output,
-        )
-        try:
-            async for position, chunk in run.events():
-                output.add(position, chunk)
-        except BaseException:
-            await _settle(run, grant)
-            await run.report()
-            raise
-        return run
-
-    try:
-        run = await _while_connected(request, collect())
-    except BaseException:
-        grant.release()
-        raise
+    grant, run = await _while_connected(receive, admitted_run(collect=True))
     try:
         body = msgspec.json.encode(output.body(run))
     except BaseException:
@@ -150,22 +132,66 @@ async def respond(
         await run.report()
         raise
     await _end(run, grant)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        *_encoded(
+            {
+                **grant.headers,
+                BACKEND_HEADER: ", ".join(run.backend_names),
+                REQUEST_ID_HEADER: request_id,
+            }
+        ),
+    ]
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    finally:
+        # Plugins hear about the response after it was sent.
+        await run.report()
 
-    async def finish() -> None:
+
+async def _stream(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    run: ChoiceRun,
+    output: OutputBuilder,
+    grant: Grant,
+    request_id: str,
+) -> None:
+    frames = _sse(run, output, request_id, grant)
+
+    async def finish_stream() -> None:
+        # Runs after a disconnect too; closing a finished generator is a no-op, and a
+        # generator that never started still gets its run aborted and reported here.
+        await frames.aclose()
         await _settle(run, grant)
         await run.report()
 
-    return Response(
-        content=body,
-        media_type="application/json",
+    response = ASGIStreamingResponse(
+        iterator=frames,
+        media_type="text/event-stream",
         headers={
+            **SSE_HEADERS,
             **grant.headers,
             BACKEND_HEADER: ", ".join(run.backend_names),
             REQUEST_ID_HEADER: request_id,
         },
-        # Plugins hear about the response after it was sent.
-        background=BackgroundTask(finish),
+        background=BackgroundTask(finish_stream),
     )
+    await response(scope, receive, send)
+
+
+def _encoded(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    # Latin-1, as Litestar encodes the headers of its responses.
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+
+
+def _shielded() -> anyio.CancelScope:
+    """A scope that a cancellation from outside (the client left: the streaming response
+    cancels its task group) does not interrupt, for at most ``_CLOSE_TIMEOUT_S``."""
+    return anyio.CancelScope(shield=True, deadline=anyio.current_time() + _CLOSE_TIMEOUT_S)
 
 
 async def _settle(run: ChoiceRun, grant: Grant) -> None:
@@ -177,7 +203,7 @@ async def _settle(run: ChoiceRun, grant: Grant) -> None:
 async def _end(run: ChoiceRun, grant: Grant) -> None:
     """Before the final bytes: stop the upstream work, free the slot, end the request for
     the plugins (the usage record is committed when this returns). Not cancellable."""
-    with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
+    with _shielded():
         await _settle(run, grant)
         await run.end_request()
 
@@ -207,12 +233,12 @@ async def _sse(
     finally:
         # Cancelled by a disconnect: the cancellation must not interrupt the abort. The slot
         # is freed before plugins are told, so a slow plugin cannot hold it.
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
+        with _shielded():
             await _settle(run, grant)
             await run.report()
 
 
-async def _while_connected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+async def _while_connected(receive: Receive, work: Awaitable[T]) -> T:
     """Await ``work``; if the client disconnects first, cancel it (aborting upstream)."""
     task = asyncio.current_task()
     assert task is not None
@@ -221,7 +247,7 @@ async def _while_connected(request: Request[Any, Any, Any], work: Awaitable[T]) 
     async def watch() -> None:
         nonlocal disconnected
         while True:
-            message = await request.receive()
+            message = await receive()
             if message["type"] == "http.disconnect":
                 disconnected = True
                 task.cancel()

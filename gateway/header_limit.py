@@ -7,6 +7,7 @@ client gets the OpenAI envelope rather than uvicorn's bare 400 for any size up t
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 from litestar.middleware import DefineMiddleware
@@ -38,9 +39,14 @@ class HeaderLimitMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 16
-            for name, value in scope["headers"]:
-                size += len(name) + len(value) + 4  # ": " and CRLF
+            headers = list(scope["headers"])  # an iterable, in the ASGI spec
+            size = (
+                len(scope.get("raw_path") or b"")
+                + len(scope.get("query_string") or b"")
+                + 16
+                + 4 * len(headers)  # ": " and CRLF
+                + sum(map(len, chain.from_iterable(headers)))
+            )
             if size > self.max_bytes:
                 raise RequestHeaderFieldsTooLargeError(
                     f"the request headers are {size} bytes; this server accepts at most "

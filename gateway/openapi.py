@@ -4,6 +4,8 @@ Litestar documents each handler's success body and its own validation-error shap
 gateway answers differently, so the document is completed here, in one place, once the app
 is built:
 
+- the generation endpoints (``@asgi`` handlers, which Litestar does not document) get their
+  operations from their :class:`~gateway.generation_endpoint.GenerationEndpoint`;
 - the wire types' schemas come from msgspec itself (``msgspec.json.schema_components``),
   the same code that validates requests, so every range and enum is documented exactly
   (Litestar's generator drops a bound of 0, such as ``temperature >= 0``);
@@ -21,6 +23,7 @@ gateway gives against this document.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -30,11 +33,15 @@ from litestar.openapi.spec import (
     Components,
     OpenAPIMediaType,
     OpenAPIResponse,
+    Operation,
+    PathItem,
     Reference,
+    RequestBody,
     SecurityScheme,
 )
 
 from gateway import schemas
+from gateway.generation_endpoint import GenerationEndpoint
 
 __all__ = ["complete_openapi"]
 
@@ -58,9 +65,14 @@ _V1 = ("401", "403")
 _GENERATION = ("400", "404", "413", "429", "502", "503", "504")
 
 
-def complete_openapi(app: Litestar) -> None:
-    """Add the gateway's error responses, SSE bodies and security scheme (see module doc)."""
+def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]) -> None:
+    """Add the generation operations, the gateway's error responses, SSE bodies and security
+    scheme (see module doc)."""
     openapi = app.plugins.get(OpenAPIPlugin).provide_openapi()
+    openapi.paths = {
+        **{endpoint.path: PathItem(post=_generation_operation(endpoint)) for endpoint in endpoints},
+        **(openapi.paths or {}),
+    }
     components = openapi.components
     if isinstance(components, list):  # pragma: no cover - Litestar merges these itself
         components = components[0]
@@ -117,6 +129,33 @@ def complete_openapi(app: Litestar) -> None:
                     content=success.content,
                 )
             operation.responses = responses
+
+
+def _generation_operation(endpoint: GenerationEndpoint[Any]) -> Operation:
+    """What Litestar documents for a POST handler taking ``body_type`` and returning
+    ``response_type`` (the responses are completed by :func:`complete_openapi`)."""
+
+    def ref(struct: type[msgspec.Struct]) -> Reference:
+        return Reference(ref=f"#/components/schemas/{struct.__name__}")
+
+    return Operation(
+        tags=["generation"],
+        summary=endpoint.summary,
+        description=endpoint.description,
+        operation_id=endpoint.operation_id,
+        request_body=RequestBody(
+            content={"application/json": OpenAPIMediaType(schema=ref(endpoint.body_type))},
+            required=True,
+        ),
+        responses={
+            "200": OpenAPIResponse(
+                description="Request fulfilled, document follows",
+                headers={},
+                content={"application/json": OpenAPIMediaType(schema=ref(endpoint.response_type))},
+            )
+        },
+        deprecated=False,
+    )
 
 
 def _sse_event_schema(chunk_ref: str) -> dict[str, Any]:

@@ -60,14 +60,16 @@ def check_smuggled_fields(raw_body: object) -> None:
 def header_labels(headers: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
     """The allow-listed request headers (``[plugins] request_headers``) as request labels.
 
-    Label keys are the lower-cased header names; absent headers are left out. Plugins read
-    them from ``GenerationRequest.labels`` (e.g. a tenant tagger reading ``x-tenant-id``).
+    ``headers`` are looked up by lower-case name. Label keys are the lower-cased header
+    names; absent headers are left out. Plugins read them from ``GenerationRequest.labels``
+    (e.g. a tenant tagger reading ``x-tenant-id``).
     """
     labels: dict[str, str] = {}
     for name in names:
-        value = headers.get(name)
+        key = name.lower()
+        value = headers.get(key)
         if value is not None:
-            labels[name.lower()] = value
+            labels[key] = value
     return labels
 
 

@@ -10,18 +10,24 @@ import os
 from typing import Any
 
 from litestar.connection import ASGIConnection
+from litestar.types import Scope
 
-__all__ = ["REQUEST_ID_HEADER", "request_id_of"]
+__all__ = ["REQUEST_ID_HEADER", "request_id_in", "request_id_of"]
 
 REQUEST_ID_HEADER = "x-request-id"
 
 _SCOPE_KEY = "infermux.request_id"
 
 
-def request_id_of(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
-    """The id of this request, created on first use and kept in the ASGI scope."""
-    scope: Any = connection.scope
-    request_id = scope.get(_SCOPE_KEY)
+def request_id_in(scope: Scope) -> str:
+    """The id of the request of ``scope``, created on first use and kept in the scope."""
+    holder: Any = scope
+    request_id = holder.get(_SCOPE_KEY)
     if request_id is None:
-        request_id = scope[_SCOPE_KEY] = os.urandom(16).hex()
+        request_id = holder[_SCOPE_KEY] = os.urandom(16).hex()
     return request_id
+
+
+def request_id_of(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
+    """The id of this request (see :func:`request_id_in`)."""
+    return request_id_in(connection.scope)

@@ -100,7 +100,8 @@ def _check_schema_nodes(schema: dict[str, Any], param: str) -> None:
             )
         kind = node.get("type")
         if kind is not None and not (
-            isinstance(kind, str) or (isinstance(kind, list) and all(isinstance(k, str) for k in kind))
+            isinstance(kind, str)
+            or (isinstance(kind, list) and all(isinstance(k, str) for k in kind))
         ):
             raise InvalidRequestError(
                 f"a schema 'type' must be a string or a list of strings; got {kind!r}",

@@ -38,11 +38,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import msgspec
 
 from backends.base import Backend, BackendConfig, GenerationChunk, GenerationRequest
+from backends.deadline import Deadline, earliest
 from backends.errors import (
     BackendError,
     BackendUnavailableError,
@@ -327,7 +328,7 @@ class ModelRouter:
         else:
             backend_request = request
         started = time.monotonic()
-        deadline = _earliest(
+        deadline = earliest(
             started + config.total_timeout
             if config is not None and config.total_timeout is not None
             else None,
@@ -336,7 +337,7 @@ class ModelRouter:
         if deadline != backend_request.deadline:
             # In-process backends check the deadline between tokens and prompt batches.
             backend_request = msgspec.structs.replace(backend_request, deadline=deadline)
-        first_deadline = _earliest(started + timeout if timeout is not None else None, deadline)
+        first_deadline = earliest(started + timeout if timeout is not None else None, deadline)
         self._outstanding[name] += 1
         # Plugins may wrap the call (timing, caching); the chain is lazy, so everything
         # below (first-byte timeout, retries, closing) applies to the wrapped stream.
@@ -346,7 +347,7 @@ class ModelRouter:
             generate=self._backends[name].generate,
         )
         try:
-            async with asyncio.timeout_at(_loop_time(first_deadline)):
+            with Deadline(first_deadline):
                 first = await anext(stream)
         except BaseException as exc:
             self._outstanding[name] -= 1
@@ -409,6 +410,12 @@ class RoutedStream:
     (silence between chunks: ``StreamIdleTimeoutError``) and total deadline
     (``UpstreamTimeoutError``) are enforced here for every kind of backend; the upstream
     work is aborted when one passes.
+
+    The deadlines are watched by one loop timer per stream rather than an
+    ``asyncio.timeout`` per chunk, which arms and disarms a timer each time (more CPU than
+    the rest of a chunk's way through the gateway). The timer is re-armed only when it
+    fires before the deadline of the wait in progress (the idle deadline moved on); when a
+    wait's deadline has passed it cancels the waiting task, as ``asyncio.timeout`` would.
     """
 
     def __init__(
@@ -430,6 +437,18 @@ class RoutedStream:
         self._idle_timeout = idle_timeout
         #: ``time.monotonic()`` deadline of the whole stream (total timeout), or None.
         self._deadline = deadline
+        #: The loop the stream lives in: asking for the running loop makes a system call
+        #: (Python 3.11 checks the process id), once per chunk otherwise.
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        #: The deadline the timer was armed for (monotonic).
+        self._timer_at = 0.0
+        #: The task waiting for the next chunk, its deadline, its cancel count at the start.
+        self._waiter: asyncio.Task[Any] | None = None
+        self._wait_deadline = 0.0
+        self._cancelling = 0
+        #: The waiter the timer cancelled (until it has seen the cancellation).
+        self._expired: asyncio.Task[Any] | None = None
 
     def __aiter__(self) -> RoutedStream:
         return self
@@ -441,30 +460,112 @@ class RoutedStream:
             return first
         if self._on_done is None:
             raise StopAsyncIteration
-        idle_deadline = (
-            time.monotonic() + self._idle_timeout if self._idle_timeout is not None else None
-        )
+        idle_deadline = self._watch(asyncio.current_task(self._loop))
+        waiter = self._waiter
+        timed_out = False
         try:
-            async with asyncio.timeout_at(_loop_time(_earliest(idle_deadline, self._deadline))):
+            try:
                 return await anext(self._stream)
-        except StopAsyncIteration:
-            self._finish(None)
-            raise
-        except InfermuxError as exc:
-            self._finish(exc)
-            raise
-        except asyncio.CancelledError:
-            self._finish(None)
-            raise
-        except TimeoutError:
+            finally:
+                self._waiter = None
+                if self._expired is not None:
+                    timed_out = self._timed_out(waiter)
+        except (Exception, asyncio.CancelledError) as exc:
+            await self._end_with(exc, timed_out, idle_deadline)
+
+    async def feed(self, take: Callable[[GenerationChunk], None]) -> None:
+        """Hand every chunk not taken yet to ``take``, in order, under the same deadlines;
+        return at the end of the stream, raise as iterating would.
+
+        For a consumer that does nothing but take chunks (an answer sent in one body): one
+        loop over the backend's stream instead of a step of this iterator per chunk. The
+        watch stays on while ``take`` runs, which must neither wait (no timer fires
+        meanwhile) nor raise; each chunk moves the idle deadline on.
+        """
+        first = self._first
+        if first is not None:
+            self._first = None
+            take(first)
+        if self._on_done is None:
+            return
+        waiter = asyncio.current_task(self._loop)
+        idle_deadline = self._watch(waiter)
+        timed_out = False
+        try:
+            try:
+                async for chunk in self._stream:
+                    take(chunk)
+                    idle_deadline = self._watch(waiter)
+            finally:
+                self._waiter = None
+                if self._expired is not None:
+                    timed_out = self._timed_out(waiter)
+        except (Exception, asyncio.CancelledError) as exc:
+            await self._end_with(exc, timed_out, idle_deadline)
+        self._finish(None)
+
+    def _watch(self, task: asyncio.Task[Any] | None) -> float | None:
+        """Watch ``task``'s wait for the next chunk, from now; its idle deadline (or None)."""
+        deadline = self._deadline
+        idle_deadline = None
+        if self._idle_timeout is not None:
+            idle_deadline = time.monotonic() + self._idle_timeout
+            if deadline is None or idle_deadline < deadline:
+                deadline = idle_deadline
+        if deadline is not None and task is not None:
+            self._waiter = task
+            self._wait_deadline = deadline
+            self._cancelling = task.cancelling()
+            if self._timer is None or deadline < self._timer_at:
+                self._arm(deadline)
+        return idle_deadline
+
+    async def _end_with(
+        self, exc: Exception | asyncio.CancelledError, timed_out: bool, idle_deadline: float | None
+    ) -> NoReturn:
+        """The stream ended with ``exc`` (from the backend, or the timer's cancellation when
+        ``timed_out``): finish it and raise what the consumer gets."""
+        if timed_out or isinstance(exc, TimeoutError):
             error = self._timeout_error(idle_deadline)
             self._finish(error)
             await _close(self._stream)
             raise error from None
-        except Exception as exc:  # a backend broke its contract: still a typed error out
-            error = BackendError(f"backend {self.backend_name!r} failed: {exc}")
-            self._finish(error)
-            raise error from exc
+        if isinstance(exc, InfermuxError):
+            self._finish(exc)
+            raise exc
+        if isinstance(exc, StopAsyncIteration | asyncio.CancelledError):
+            self._finish(None)
+            raise exc
+        # A backend broke its contract: still a typed error out.
+        error = BackendError(f"backend {self.backend_name!r} failed: {exc}")
+        self._finish(error)
+        raise error from exc
+
+    def _timed_out(self, task: asyncio.Task[Any] | None) -> bool:
+        """After the timer cancelled a wait: True when the wait of ``task`` just ended
+        because of it (as asyncio.timeout: unless someone else also cancelled the task)."""
+        if task is None or self._expired is not task:
+            return False
+        self._expired = None
+        return task.uncancel() <= self._cancelling
+
+    def _arm(self, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = self._loop
+        self._timer = loop.call_at(loop.time() + (deadline - time.monotonic()), self._on_timer)
+        self._timer_at = deadline
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None:
+            return  # between chunks: the next wait arms the timer again
+        if self._wait_deadline > self._timer_at:
+            self._arm(self._wait_deadline)  # armed for an earlier wait's deadline
+            return
+        self._expired = waiter
+        waiter.cancel()
 
     async def aclose(self) -> None:
         """Abort the upstream work. Idempotent."""
@@ -476,7 +577,9 @@ class RoutedStream:
     def _timeout_error(self, idle_deadline: float | None) -> InfermuxError:
         # Which deadline was binding, not a re-read of the clock: the loop may fire a timer
         # up to its clock resolution early, which made a total timeout look like an idle one.
-        if self._deadline is not None and (idle_deadline is None or self._deadline <= idle_deadline):
+        if self._deadline is not None and (
+            idle_deadline is None or self._deadline <= idle_deadline
+        ):
             return UpstreamTimeoutError(
                 f"backend {self.backend_name!r} did not finish within its total timeout"
             )
@@ -486,6 +589,9 @@ class RoutedStream:
         )
 
     def _finish(self, error: InfermuxError | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         on_done, self._on_done = self._on_done, None
         if on_done is not None:
             on_done(self.backend_name, error)
@@ -518,15 +624,3 @@ async def _close(stream: AsyncIterator[GenerationChunk]) -> None:
 
 def _since(started: float) -> float:
     return time.monotonic() - started
-
-
-def _earliest(*deadlines: float | None) -> float | None:
-    present = [d for d in deadlines if d is not None]
-    return min(present) if present else None
-
-
-def _loop_time(deadline: float | None) -> float | None:
-    """A ``time.monotonic()`` deadline in the running loop's clock (``asyncio.timeout_at``)."""
-    if deadline is None:
-        return None
-    return asyncio.get_running_loop().time() + (deadline - time.monotonic())

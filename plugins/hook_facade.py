@@ -8,15 +8,16 @@ or hanging neither stops the others nor reaches the client); chained hooks
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import pluggy
 
 from backends.base import GenerationChunk, GenerationRequest
+from backends.deadline import Deadline
 from backends.errors import InfermuxError
 from plugins.generate_chain import chain_generate
 
@@ -39,6 +40,8 @@ class PluginHooks:
     def __init__(self, pm: pluggy.PluginManager, *, hook_timeout_s: float = 5.0) -> None:
         self.pm = pm
         self.hook_timeout_s = hook_timeout_s
+        #: hook name -> (its implementations as last seen, their call order without wrappers)
+        self._orders: dict[str, tuple[list[pluggy.HookImpl], list[pluggy.HookImpl]]] = {}
 
     # -- registration hooks -------------------------------------------------------------
 
@@ -107,16 +110,10 @@ class PluginHooks:
         Without implementations this is ``generate(request)`` itself. Never raises: a
         wrapper's failure surfaces from the stream (see :mod:`plugins.generate_chain`).
         """
-        impls = [
-            impl
-            for impl in reversed(self.pm.hook.infermux_wrap_generate.get_hookimpls())
-            if not (impl.wrapper or impl.hookwrapper)
-        ]
+        impls = self._call_order("infermux_wrap_generate")
         if not impls:
             return generate(request)
-        return chain_generate(
-            impls, request=request, backend_name=backend_name, generate=generate
-        )
+        return chain_generate(impls, request=request, backend_name=backend_name, generate=generate)
 
     # -- request path -------------------------------------------------------------------
 
@@ -133,7 +130,8 @@ class PluginHooks:
             result = impl.function(*_arguments(impl, {"request": request}))
             if inspect.isawaitable(result):
                 try:
-                    result = await asyncio.wait_for(result, self.hook_timeout_s)
+                    with Deadline(time.monotonic() + self.hook_timeout_s):
+                        result = await result
                 except TimeoutError:
                     raise RuntimeError(
                         f"plugin {impl.plugin_name!r}: infermux_transform_request did not "
@@ -226,10 +224,7 @@ class PluginHooks:
 
     async def query_usage(self, *, query: UsageQuery) -> UsageReport | None:
         """The first plugin answer to a usage query, or None (no accounting plugin)."""
-        impls = self.pm.hook.infermux_query_usage.get_hookimpls()
-        for impl in reversed(impls):  # pluggy's call order
-            if impl.wrapper or impl.hookwrapper:
-                continue
+        for impl in self._call_order("infermux_query_usage"):
             result = impl.function(*_arguments(impl, {"query": query}))
             if inspect.isawaitable(result):
                 result = await result
@@ -251,16 +246,29 @@ class PluginHooks:
         """Whether any plugin implements ``hook_name`` (lets callers skip work)."""
         return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
 
-    async def _notify(self, hook_name: str, kwargs: Mapping[str, Any]) -> None:
+    def _call_order(self, hook_name: str) -> list[pluggy.HookImpl]:
+        """The hook's implementations in pluggy's call order (tryfirst first, later
+        registrations first), wrappers left out.
+
+        Worked out again only when the implementations changed (plugins may be registered
+        while the app runs): a request makes a dozen hook calls, so the check is one list
+        comparison."""
         impls = getattr(self.pm.hook, hook_name).get_hookimpls()
-        # Reversed: pluggy's own call order (tryfirst first, later registrations first).
-        for impl in reversed(impls):
-            if impl.wrapper or impl.hookwrapper:
-                continue
+        known = self._orders.get(hook_name)
+        if known is not None and known[0] == impls:
+            return known[1]
+        order = [impl for impl in reversed(impls) if not (impl.wrapper or impl.hookwrapper)]
+        self._orders[hook_name] = (impls, order)
+        return order
+
+    async def _notify(self, hook_name: str, kwargs: Mapping[str, Any]) -> None:
+        for impl in self._call_order(hook_name):
             try:
                 result = impl.function(*_arguments(impl, kwargs))
-                if inspect.isawaitable(result):
-                    await asyncio.wait_for(result, self.hook_timeout_s)
+                if result is not None and inspect.isawaitable(result):
+                    # Awaited in this task (no task per call, as wait_for would make).
+                    with Deadline(time.monotonic() + self.hook_timeout_s):
+                        await result
             except TimeoutError:
                 logger.warning(
                     "plugin %r: %s took longer than %.1f s; abandoned",
@@ -271,14 +279,10 @@ class PluginHooks:
             except Exception:
                 logger.exception("plugin %r: %s raised; ignored", impl.plugin_name, hook_name)
 
-
     def _notify_sync(self, hook_name: str, kwargs: Mapping[str, Any]) -> list[Any]:
         """Call a synchronous hook's implementations in pluggy's order, each isolated."""
         answers: list[Any] = []
-        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
-        for impl in reversed(impls):
-            if impl.wrapper or impl.hookwrapper:
-                continue
+        for impl in self._call_order(hook_name):
             try:
                 result = impl.function(*_arguments(impl, kwargs))
             except Exception:

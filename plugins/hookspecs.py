@@ -224,9 +224,7 @@ def infermux_on_request_end(summary: RequestSummary) -> None:
 
 
 @hookspec
-def infermux_register_metrics(
-    registry: CollectorRegistry, backends: Mapping[str, Backend]
-) -> None:
+def infermux_register_metrics(registry: CollectorRegistry, backends: Mapping[str, Backend]) -> None:
     """Add Prometheus metrics to the app's registry (``GET /metrics``).
 
     Called once when the app is created, with the app's own

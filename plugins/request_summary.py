@@ -30,6 +30,7 @@ def http_request_id(request: GenerationRequest) -> str:
     ties ``on_request_start``, the attempts of every choice and ``on_request_end`` together."""
     return request.parent_request_id or request.request_id
 
+
 #: How one choice ended: "finished" (normal end), "failed" (an error, the request's or a
 #: backend's), "aborted" (the client went away, or a sibling choice failed), "rejected"
 #: (refused before routing: a plugin's ``transform_request`` or the router said no).

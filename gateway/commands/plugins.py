@@ -30,9 +30,7 @@ def add_parser(subparsers: Any) -> None:
         help="apply this config's [plugins] table (disable, enable, modules, settings)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument(
-        "--strict", action="store_true", help="exit 1 when a plugin failed to load"
-    )
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a plugin failed to load")
     parser.set_defaults(func=run)
 
 

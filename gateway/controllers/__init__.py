@@ -1,25 +1,28 @@
 """HTTP controllers of the OpenAI-compatible API and the health endpoints."""
 
-from gateway.controllers.chat import ChatController
-from gateway.controllers.completion import CompletionController
+from gateway.controllers.chat import CHAT_COMPLETIONS
+from gateway.controllers.completion import COMPLETIONS
 from gateway.controllers.health import HealthController
 from gateway.controllers.metrics import MetricsController
 from gateway.controllers.model import ModelController
 from gateway.controllers.usage import UsageController
 
 __all__ = [
-    "ChatController",
-    "CompletionController",
+    "CHAT_COMPLETIONS",
+    "COMPLETIONS",
+    "CONTROLLERS",
+    "GENERATION_ENDPOINTS",
     "HealthController",
     "MetricsController",
     "ModelController",
     "UsageController",
 ]
 
-#: Every controller the app mounts.
+#: The generation endpoints (``@asgi`` handlers built per app: gateway/generation_endpoint.py).
+GENERATION_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
+
+#: Every other controller the app mounts. Those under ``/v1/`` carry the API-key guard.
 CONTROLLERS = (
-    ChatController,
-    CompletionController,
     ModelController,
     HealthController,
     MetricsController,

@@ -7,6 +7,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 
 from backends.errors import ModelNotFoundError
+from gateway.auth import api_key_guard
 from gateway.schemas import ModelCard, ModelList
 from gateway.state import GatewayState
 
@@ -18,6 +19,7 @@ class ModelController(Controller):
 
     path = "/v1/models"
     tags = ["models"]
+    guards = [api_key_guard]
 
     @get("", summary="List models")
     async def list_models(self, gateway: NamedDependency[GatewayState]) -> ModelList:

@@ -15,7 +15,7 @@ from litestar.di import NamedDependency
 from litestar.params import QueryParameter
 
 from backends.errors import InvalidRequestError, NotFoundError, PermissionDeniedError
-from gateway.auth import api_key_of
+from gateway.auth import api_key_guard, api_key_of
 from gateway.state import GatewayState
 from plugins.usage_report import UsageQuery, UsageReport
 
@@ -48,6 +48,7 @@ class UsageController(Controller):
 
     path = "/v1/usage"
     tags = ["usage"]
+    guards = [api_key_guard]
 
     @get(
         "",

@@ -1,4 +1,9 @@
-"""msgspec wire types of the OpenAI-compatible API (they never travel past the controllers)."""
+"""msgspec wire types of the OpenAI-compatible API (they never travel past the controllers).
+
+The request and answer types hold JSON values only, never reference cycles, so they opt out
+of the cycle collector (``gc=False``: cheaper to create and free; a streamed answer makes
+several per chunk).
+"""
 
 from gateway.schemas.chat import (
     ChatChoice,

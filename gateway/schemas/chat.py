@@ -40,7 +40,7 @@ ChoiceCount = Annotated[int, msgspec.Meta(ge=1)]
 TopLogprobCount = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
+class ContentPart(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One element of a content-part array; only ``{"type": "text", "text": ...}`` is served."""
 
     type: str
@@ -51,7 +51,7 @@ class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
 Role = Literal["system", "developer", "user", "assistant"]
 
 
-class ChatMessageParam(msgspec.Struct, frozen=True, kw_only=True):
+class ChatMessageParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One input message: ``content`` is a string or an array of text parts."""
 
     role: Role
@@ -59,7 +59,7 @@ class ChatMessageParam(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
 
 
-class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
+class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The body of ``POST /v1/chat/completions``."""
 
     model: str
@@ -88,36 +88,36 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     tools: list[dict[str, Any]] | None = None
 
 
-class ChatTopLogprob(msgspec.Struct, frozen=True, kw_only=True):
+class ChatTopLogprob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     token: str
     logprob: float
     bytes: list[int] | None
 
 
-class ChatTokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+class ChatTokenLogprob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     token: str
     logprob: float
     bytes: list[int] | None
     top_logprobs: list[ChatTopLogprob]
 
 
-class ChatLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+class ChatLogprobs(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     content: list[ChatTokenLogprob] | None
 
 
-class ChatResponseMessage(msgspec.Struct, frozen=True, kw_only=True):
+class ChatResponseMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     role: str = "assistant"
     content: str | None
 
 
-class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
+class ChatChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
-class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
+class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The non-streaming response body."""
 
     id: str
@@ -129,19 +129,19 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
     system_fingerprint: str | None = None
 
 
-class ChatDelta(msgspec.Struct, frozen=True, kw_only=True):
+class ChatDelta(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     role: str | msgspec.UnsetType = msgspec.UNSET
     content: str | msgspec.UnsetType = msgspec.UNSET
 
 
-class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
+class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
+class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One SSE ``data:`` payload; ``usage`` appears (null, then set) only with include_usage."""
 
     id: str

@@ -13,18 +13,18 @@ __all__ = [
 ]
 
 
-class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """``stream_options``: ``include_usage`` adds a final chunk with usage and no choices."""
 
     include_usage: bool | None = None
 
 
-class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True):
+class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     #: Prompt tokens served from the backend's prefix cache.
     cached_tokens: int
 
 
-class UsageInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class UsageInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     """Token counts of a response; ``prompt_tokens_details`` only when the backend knows."""
 
     prompt_tokens: int
@@ -33,14 +33,14 @@ class UsageInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     message: str
     type: str
     param: str | None
     code: str | None
 
 
-class ErrorResponse(msgspec.Struct, frozen=True, kw_only=True):
+class ErrorResponse(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """``{"error": {"message", "type", "param", "code"}}``: every 4xx/5xx body."""
 
     error: ErrorBody

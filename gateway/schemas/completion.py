@@ -33,7 +33,7 @@ Tokens = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Prompt = str | list[str | int | list[int]]
 
 
-class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
+class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The body of ``POST /v1/completions``."""
 
     model: str
@@ -62,7 +62,7 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     best_of: int | None = None
 
 
-class CompletionLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+class CompletionLogprobs(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """OpenAI's legacy shape: parallel lists, one entry per token."""
 
     tokens: list[str]
@@ -71,14 +71,14 @@ class CompletionLogprobs(msgspec.Struct, frozen=True, kw_only=True):
     text_offset: list[int]
 
 
-class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
+class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
+class Completion(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The non-streaming response body."""
 
     id: str
@@ -90,7 +90,7 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     system_fingerprint: str | None = None
 
 
-class CompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
+class CompletionChunk(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One SSE ``data:`` payload of a streamed completion."""
 
     id: str

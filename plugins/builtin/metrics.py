@@ -32,9 +32,12 @@ client cannot grow the label set. OTel instruments: ``gen_ai.server.request.dura
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -111,6 +114,22 @@ class BackendStatsCollector(Collector):
         yield from families.values()
 
 
+class _GapHistogram(Histogram):
+    """A histogram that also takes many observations at once: a request's inter-token gaps
+    (a dozen or more) would otherwise cost one ``observe`` (a lock per bucket and sum)
+    each. Updates the same bucket and sum values ``observe`` does."""
+
+    def observe_many(self, amounts: Sequence[float]) -> None:
+        if not amounts:
+            return
+        self._raise_if_not_observable()
+        # Each amount counts in the first bucket whose bound is >= it (as in observe).
+        counts = collections.Counter(map(partial(bisect_left, self._upper_bounds), amounts))
+        for index, count in counts.items():
+            self._buckets[index].inc(count)
+        self._sum.inc(sum(amounts))
+
+
 class _Prometheus:
     """The Prometheus instruments of one app."""
 
@@ -143,7 +162,7 @@ class _Prometheus:
             buckets=_TPOT_BUCKETS,
             registry=registry,
         )
-        self.itl = Histogram(
+        self.itl = _GapHistogram(
             "infermux_inter_token_latency_seconds",
             "Time between consecutive output chunks",
             mb,
@@ -242,6 +261,8 @@ class MetricsPlugin:
         self._slo: SloConfig | None = None
         #: request id -> {choice index: "waiting" | "running"}
         self._choices: dict[str, dict[int, str]] = {}
+        #: (metric, label values) -> its child (see :meth:`_child`).
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -250,6 +271,7 @@ class MetricsPlugin:
         self, registry: CollectorRegistry, backends: Mapping[str, Backend]
     ) -> None:
         self._prom = _Prometheus(registry)
+        self._children.clear()
         registry.register(BackendStatsCollector(backends))
 
     @hookimpl
@@ -280,13 +302,23 @@ class MetricsPlugin:
             return alias
         return "unknown"
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: ``labels()`` validates and locks on every
+        call, a dozen times per request. The label sets are bounded (aliases, backends,
+        status codes), so is this cache."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     @hookimpl
     def infermux_on_request_start(self, requests: Sequence[GenerationRequest]) -> None:
         if self._prom is None or not requests:
             return
         first = requests[0]
         self._choices[http_request_id(first)] = {r.choice_index: "waiting" for r in requests}
-        self._prom.waiting.labels(model=self._model(first.model)).inc(len(requests))
+        self._child(self._prom.waiting, self._model(first.model)).inc(len(requests))
 
     @hookimpl
     def infermux_on_attempt_end(
@@ -299,51 +331,48 @@ class MetricsPlugin:
             return
         choices[request.choice_index] = "running"
         model = self._model(request.model)
-        self._prom.waiting.labels(model=model).dec()
-        self._prom.running.labels(model=model).inc()
+        self._child(self._prom.waiting, model).dec()
+        self._child(self._prom.running, model).inc()
 
     @hookimpl
     def infermux_on_request_end(self, summary: RequestSummary) -> None:
         prom = self._prom
         if prom is None:
             return
+        child = self._child
         request = summary.request
         model = self._model(request.model)
         for state in self._choices.pop(summary.request_id, {}).values():
-            (prom.running if state == "running" else prom.waiting).labels(model=model).dec()
+            child(prom.running if state == "running" else prom.waiting, model).dec()
         backend = ",".join(summary.backend_names) or "none"
         status = "ok" if summary.status == "ok" else str(getattr(summary.error, "code", None))
-        prom.requests.labels(model=model, backend=backend, status=status).inc()
-        prom.duration.labels(model=model, backend=backend, status=status).observe(
-            summary.duration_s
-        )
+        child(prom.requests, model, backend, status).inc()
+        child(prom.duration, model, backend, status).observe(summary.duration_s)
         usage = summary.usage
-        prom.prompt_tokens.labels(model=model, backend=backend).inc(usage.prompt_tokens)
-        prom.completion_tokens.labels(model=model, backend=backend).inc(usage.completion_tokens)
+        child(prom.prompt_tokens, model, backend).inc(usage.prompt_tokens)
+        child(prom.completion_tokens, model, backend).inc(usage.completion_tokens)
         if usage.cached_tokens:
-            prom.cached_tokens.labels(model=model, backend=backend).inc(usage.cached_tokens)
+            child(prom.cached_tokens, model, backend).inc(usage.cached_tokens)
         for choice in summary.choices:
-            if choice.backend_name is None:
+            name = choice.backend_name
+            if name is None:
                 continue
-            labels = {"model": model, "backend": choice.backend_name}
             if choice.ttft_s is not None:
-                prom.ttft.labels(**labels).observe(choice.ttft_s)
+                child(prom.ttft, model, name).observe(choice.ttft_s)
             if choice.tpot_s is not None:
-                prom.tpot.labels(**labels).observe(choice.tpot_s)
-            itl = prom.itl.labels(**labels)
-            for gap in choice.inter_token_s:
-                itl.observe(gap)
+                child(prom.tpot, model, name).observe(choice.tpot_s)
+            child(prom.itl, model, name).observe_many(choice.inter_token_s)
             phases = choice.phases
             if phases is not None:
-                for name, value in (
+                for phase, value in (
                     ("queue", phases.queued_s),
                     ("prefill", phases.prefill_s),
                     ("decode", phases.decode_s),
                 ):
                     if value is not None:
-                        prom.phases[name].labels(**labels).observe(value)
+                        child(prom.phases[phase], model, name).observe(value)
         if summary.status == "ok" and self._meets_slo(summary):
-            prom.goodput.labels(model=model).inc()
+            child(prom.goodput, model).inc()
         if self._otel is not None:
             self._record_otel(self._otel, summary, model)
 

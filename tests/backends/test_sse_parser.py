@@ -19,3 +19,12 @@ def test_last_event_without_blank_line_is_kept() -> None:
     parser = SSEParser()
     assert parser.feed(b"data: tail") == []
     assert parser.close() == [b"tail"]
+
+
+def test_events_of_one_read_crlf_and_blank_line_runs() -> None:
+    parser = SSEParser()
+    read = b"data: a\r\n\r\n\n\ndata: b\r\ndata: c\r\nid: 7\r\n\r\n: ping\n\ndata:d\n\ndata: e\r"
+    assert parser.feed(read) == [b"a", b"b\nc", b"d"]
+    assert parser.feed(b"\n\r\n") == [b"e"]
+    assert parser.feed(b"data: f\n") == []
+    assert parser.close() == [b"f"]

@@ -170,7 +170,9 @@ def test_default_config_serves_smollm2_through_llamacpp() -> None:
     # llama.cpp is the default (first in priority); the other engines serve the same file.
     assert (config.backends[0].name, config.backends[0].kind) == ("llamacpp", "llamacpp")
     assert {b.name: b.kind for b in config.backends}.items() <= {
-        "llamacpp": "llamacpp", "core_engine": "core_engine", "mlx": "mlx"
+        "llamacpp": "llamacpp",
+        "core_engine": "core_engine",
+        "mlx": "mlx",
     }.items()
     assert config.models[0].alias == DEFAULT_MODEL_ALIAS == "smollm2"
     assert config.models[0].backends == [b.name for b in config.backends]

@@ -77,7 +77,12 @@ class Recorder:
     ) -> None:
         with self._lock:
             self.responses.append(
-                {"request": request, "backend": backend_name, "usage": usage, "finish": finish_reason}
+                {
+                    "request": request,
+                    "backend": backend_name,
+                    "usage": usage,
+                    "finish": finish_reason,
+                }
             )
 
     @hookimpl

@@ -166,7 +166,13 @@ def test_every_configured_digest_is_compared_whichever_key_is_presented(
 
 @pytest.mark.parametrize(
     ("client_host", "status"),
-    [("127.0.0.1", 200), ("::1", 200), ("203.0.113.9", 403), ("10.0.0.7", 403), ("::ffff:8.8.8.8", 403)],
+    [
+        ("127.0.0.1", 200),
+        ("::1", 200),
+        ("203.0.113.9", 403),
+        ("10.0.0.7", 403),
+        ("::ffff:8.8.8.8", 403),
+    ],
 )
 async def test_open_mode_serves_loopback_clients_only(client_host: str, status: int) -> None:
     app = create_app(gateway_config(mock_backend("mock")))

@@ -58,7 +58,9 @@ def still_serving_afterwards(gw: LiveGateway) -> Iterator[None]:
     assert_still_serving(gw)
 
 
-def post_raw(http: httpx.Client, content: bytes, path: str = "/v1/chat/completions") -> httpx.Response:
+def post_raw(
+    http: httpx.Client, content: bytes, path: str = "/v1/chat/completions"
+) -> httpx.Response:
     return http.post(path, content=content, headers={"content-type": "application/json"})
 
 
@@ -128,7 +130,10 @@ def test_hostile_json_is_400(http: httpx.Client, content: bytes) -> None:
 @pytest.mark.parametrize(
     ("content", "param"),
     [
-        (b'{"model": "nope", "model": "echo", "messages": [{"role": "user", "content": "x"}]}', "model"),
+        (
+            b'{"model": "nope", "model": "echo", "messages": [{"role": "user", "content": "x"}]}',
+            "model",
+        ),
         (
             b'{"model": "echo", "messages": [{"role": "user", "role": "system", "content": "x"}]}',
             "role",
@@ -303,7 +308,10 @@ def test_model_lookup_by_path_like_id_is_404(http: httpx.Client, path: str) -> N
         ({"model": "echo", "messages": [{"content": "x"}]}, "messages[0].role"),
         ({"model": "echo", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"model": "echo", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"model": "echo", "messages": [{"role": "user", "content": {"a": 1}}]}, "messages[0].content"),
+        (
+            {"model": "echo", "messages": [{"role": "user", "content": {"a": 1}}]},
+            "messages[0].content",
+        ),
         ({"model": "echo", "messages": [{"role": "user"}]}, "messages[0].content"),
         (
             {"model": "echo", "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
@@ -390,7 +398,9 @@ def test_completion_ranges_name_the_param(
 
 
 def test_prompt_plus_max_tokens_beyond_the_context_is_400(http: httpx.Client) -> None:
-    error = envelope(chat(http, max_tokens=60, messages=[{"role": "user", "content": "a b c d e"}]), 400)
+    error = envelope(
+        chat(http, max_tokens=60, messages=[{"role": "user", "content": "a b c d e"}]), 400
+    )
     assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
 
 
@@ -444,7 +454,10 @@ def _nested(depth: int) -> dict[str, Any]:
         ({}, "response_format.type"),
         ({"type": "json_schema"}, "response_format.json_schema"),
         ({"type": "json_schema", "json_schema": 5}, "response_format.json_schema"),
-        ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {}}},
+            "response_format.json_schema.name",
+        ),
         (
             {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}},
             "response_format.json_schema.name",
@@ -454,16 +467,25 @@ def _nested(depth: int) -> dict[str, Any]:
             "response_format.json_schema.schema",
         ),
         (
-            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "http://127.0.0.1:1/s.json"}}},
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$ref": "http://127.0.0.1:1/s.json"}},
+            },
             "response_format.json_schema.schema",
         ),
         (
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
             "response_format.json_schema.schema",
         ),
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(20)}}, "response_format"),
         (
-            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["v" * 100] * 40}}},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(20)}},
+            "response_format",
+        ),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"enum": ["v" * 100] * 40}},
+            },
             "response_format",
         ),
     ],
@@ -502,9 +524,7 @@ def test_plain_text_response_format_is_accepted(http: httpx.Client) -> None:
 @pytest.mark.parametrize(
     "field", ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex", "ebnf"]
 )
-def test_guided_decoding_extensions_are_refused_not_ignored(
-    http: httpx.Client, field: str
-) -> None:
+def test_guided_decoding_extensions_are_refused_not_ignored(http: httpx.Client, field: str) -> None:
     error = envelope(chat(http, **{field: "(a+)+$"}), 400)
     assert (error["code"], error["param"]) == ("unsupported_parameter", field)
 
@@ -545,9 +565,10 @@ def test_urls_to_internal_addresses_are_never_fetched(
 ) -> None:
     url = f"{internal_service.base_url}/secret.png"
     image = [{"type": "image_url", "image_url": {"url": url}}]
-    assert envelope(chat(http, messages=[{"role": "user", "content": image}]), 400)[
-        "param"
-    ] == "messages[0].content"
+    assert (
+        envelope(chat(http, messages=[{"role": "user", "content": image}]), 400)["param"]
+        == "messages[0].content"
+    )
     remote_ref = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": url}}}
     envelope(chat(http, response_format=remote_ref), 400)
     # Text that merely mentions a URL is ordinary text: echoed, never followed.

@@ -131,8 +131,13 @@ def test_structured_outputs_pass_through_to_an_openai_upstream(live_gateway: Any
                     error_param="response_format",
                 )
             )
-            refused = httpx.post(f"{gw}/v1/chat/completions", json=chat_body(response_format=schema))
+            refused = httpx.post(
+                f"{gw}/v1/chat/completions", json=chat_body(response_format=schema)
+            )
             error = envelope(refused, 400)
-            assert (error["param"], error["message"]) == ("response_format", "schema too complex to compile")
+            assert (error["param"], error["message"]) == (
+                "response_format",
+                "schema too complex to compile",
+            )
             assert httpx.get(f"{gw}/ready").json()["circuits"]["vllm"] == "closed"
             assert_still_serving(gw)

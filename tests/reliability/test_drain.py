@@ -26,7 +26,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(tmp_path: Path, *, drain_timeout_s: float) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def serving(
+    tmp_path: Path, *, drain_timeout_s: float
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
     config = tmp_path / "slow.toml"
     config.write_text(
         f"[server]\ndrain_timeout_s = {drain_timeout_s}\n"
@@ -36,7 +38,16 @@ def serving(tmp_path: Path, *, drain_timeout_s: float) -> Iterator[tuple[subproc
     )
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -85,7 +85,11 @@ def test_streams_carry_the_rate_limit_headers_and_disconnects_are_charged(
 ) -> None:
     config = gateway_config(mock_backend("mock", token_delay_s=0.05), auth=KEYS)
     with live_gateway(config) as gw:
-        body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": TEN_WORDS}]}
+        body = {
+            "model": "echo",
+            "stream": True,
+            "messages": [{"role": "user", "content": TEN_WORDS}],
+        }
         with httpx.stream(
             "POST", f"{gw}/v1/chat/completions", json=body, headers=BOB, timeout=60
         ) as response:
@@ -170,7 +174,11 @@ def test_a_client_that_gives_up_in_the_queue_leaves_it(live_gateway: Any) -> Non
     with live_gateway(config) as gw:
         admission = gw.state.admission
         backend = gw.backend("mock")
-        body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "a " * 300}]}
+        body = {
+            "model": "echo",
+            "stream": True,
+            "messages": [{"role": "user", "content": "a " * 300}],
+        }
         with httpx.stream("POST", f"{gw}/v1/chat/completions", json=body, timeout=60) as held:
             lines = held.iter_lines()
             next(lines)

@@ -97,7 +97,8 @@ def test_observers_that_raise_or_hang_do_not_affect_requests(live_gateway: Any) 
     hanging = HangingObserver()
     pm, recorder = recording_plugins(BrokenObserver(), hanging)
     config = gateway_config(
-        mock_backend("mock"), mock_backend("flaky", fail_after_tokens=1),
+        mock_backend("mock"),
+        mock_backend("flaky", fail_after_tokens=1),
         models={"echo": ["mock"], "flaky": ["flaky"]},
         plugins=PluginsConfig(hook_timeout_s=0.3),
     )
@@ -110,7 +111,9 @@ def test_observers_that_raise_or_hang_do_not_affect_requests(live_gateway: Any) 
                 chunks = client.chat.completions.create(
                     model="echo", messages=[{"role": "user", "content": f"s{index}"}], stream=True
                 )
-                results.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+                results.append(
+                    "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                )
             else:
                 answer = client.completions.create(model="echo", prompt=f"c{index}")
                 results.append(answer.choices[0].text)

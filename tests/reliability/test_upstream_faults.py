@@ -178,7 +178,9 @@ def test_first_byte_timeout_is_504_and_cancels_the_upstream_request(
         wait_until(lambda: len(recorder.errors) == 2)
         assert all(r["backend"] == "a" and r["usage"] is None for r in recorder.errors)
         rows = ledger_rows(ledger)
-        assert [(r["error_code"], r["output_tokens"]) for r in rows] == [("upstream_timeout", 0)] * 2
+        assert [(r["error_code"], r["output_tokens"]) for r in rows] == [
+            ("upstream_timeout", 0)
+        ] * 2
         assert_still_serving(gw)
 
 
@@ -192,7 +194,11 @@ def test_first_byte_timeout_falls_back_to_the_next_backend(
         with httpx.stream(
             "POST",
             f"{gw}/v1/chat/completions",
-            json={"model": "remote", "stream": True, "messages": [{"role": "user", "content": WORDS}]},
+            json={
+                "model": "remote",
+                "stream": True,
+                "messages": [{"role": "user", "content": WORDS}],
+            },
             timeout=60,
         ) as response:
             frames = sse_frames(response)
@@ -311,7 +317,11 @@ def test_upstream_death_without_stream_is_502_with_partial_usage_once(
         (record,) = recorder.records_of(request_id)
         assert record["usage"].completion_tokens == 3
         (row,) = ledger_rows(ledger, request_id)
-        assert (row["status"], row["error_code"], row["output_tokens"]) == ("error", "backend_error", 3)
+        assert (row["status"], row["error_code"], row["output_tokens"]) == (
+            "error",
+            "backend_error",
+            3,
+        )
         assert_still_serving(gw)
 
 
@@ -427,7 +437,11 @@ def test_client_disconnect_before_the_first_byte_aborts_upstream(
                 ask_with_timeout = httpx.Timeout(30.0, read=0.5)
                 httpx.post(
                     f"{gw}/v1/chat/completions",
-                    json={"model": "remote", "stream": stream, "messages": [{"role": "user", "content": "x"}]},
+                    json={
+                        "model": "remote",
+                        "stream": stream,
+                        "messages": [{"role": "user", "content": "x"}],
+                    },
                     timeout=ask_with_timeout,
                 )
         a.wait_until(lambda: a.num_disconnects == 2)

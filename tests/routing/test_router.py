@@ -7,17 +7,25 @@ plugin would be.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
 
-from backends.base import BackendConfig, ChatMessage, GenerationRequest, SamplingParams
+from backends.base import (
+    BackendConfig,
+    ChatMessage,
+    GenerationChunk,
+    GenerationRequest,
+    SamplingParams,
+)
 from backends.errors import (
     BackendError,
     BackendUnavailableError,
     InvalidRequestError,
     ModelNotFoundError,
+    StreamIdleTimeoutError,
     UpstreamRateLimitError,
     UpstreamTimeoutError,
 )
@@ -76,6 +84,24 @@ def _request(text: str = "hello there", model: str = "m") -> GenerationRequest:
         messages=(ChatMessage(role="user", content=text),),
         params=SamplingParams(),
     )
+
+
+class _Stalling:
+    """A backend that sends one chunk, then nothing (until it is closed)."""
+
+    name = "s"
+    kind = "mock"
+    capabilities = MockBackend(BackendConfig(name="s", kind="mock")).capabilities
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        try:
+            yield GenerationChunk(text="one")
+            await asyncio.sleep(3600)
+        finally:
+            self.closed = True
 
 
 async def _drain(stream: RoutedStream) -> str:
@@ -261,3 +287,78 @@ async def test_closing_a_routed_stream_aborts_the_backend() -> None:
     await stream.aclose()
     assert mocks["a"].num_aborted == 1
     assert router.outstanding() == {"a": 0}
+
+
+async def _fed(stream: RoutedStream) -> str:
+    texts: list[str] = []
+    await stream.feed(lambda chunk: texts.append(chunk.text))
+    return "".join(texts)
+
+
+#: The two ways to consume a routed stream: iterating it, or having it push its chunks.
+CONSUMERS = pytest.mark.parametrize("consume", [_drain, _fed], ids=["iterate", "feed"])
+
+
+@CONSUMERS
+async def test_a_steady_stream_outlasts_its_idle_timeout_and_a_stall_ends_it(
+    consume: Callable[[RoutedStream], Awaitable[str]],
+) -> None:
+    # Chunks every 0.05 s for ~0.5 s under a 0.2 s idle timeout: the deadline moves on.
+    router, mocks = _router({"a": {"token_delay_s": 0.05}}, idle_timeout=0.2)
+    stream = await router.open(_request(" ".join(f"w{i}" for i in range(10))))
+    assert (await consume(stream)).split() == [f"w{i}" for i in range(10)]
+    assert router.outstanding() == {"a": 0}
+
+    # A backend that stalls after its first chunk.
+    stalling = _Stalling()
+    config = BackendConfig(name="s", kind="mock", idle_timeout=0.2)
+    router = ModelRouter(
+        models=[ModelConfig(alias="m", backends=["s"])],
+        backends={"s": stalling},  # type: ignore[dict-item]
+        backend_configs={"s": config},
+        hooks=PluginHooks(create_plugin_manager(load_entry_points=False)),
+    )
+    stream = await router.open(_request())
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(StreamIdleTimeoutError):
+        await consume(stream)
+    assert 0.15 < asyncio.get_running_loop().time() - started < 1.0
+    assert stalling.closed
+    assert router.outstanding() == {"s": 0}
+
+
+@CONSUMERS
+async def test_the_total_timeout_ends_a_steady_stream(
+    consume: Callable[[RoutedStream], Awaitable[str]],
+) -> None:
+    router, mocks = _router({"a": {"token_delay_s": 0.05}}, idle_timeout=1.0, total_timeout=0.3)
+    stream = await router.open(_request(" ".join(f"w{i}" for i in range(20))))
+    with pytest.raises(UpstreamTimeoutError):
+        await consume(stream)
+    assert mocks["a"].num_aborted == 1
+
+
+@CONSUMERS
+async def test_an_outside_cancellation_of_a_wait_is_not_a_timeout(
+    consume: Callable[[RoutedStream], Awaitable[str]],
+) -> None:
+    router, mocks = _router({"a": {"token_delay_s": 0.2}}, idle_timeout=0.5)
+    stream = await router.open(_request("one two three"))
+    task = asyncio.ensure_future(consume(stream))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await stream.aclose()
+    assert router.outstanding() == {"a": 0}
+
+
+async def test_a_fed_stream_raises_a_backend_failure_once_it_began() -> None:
+    router, mocks = _router({"a": {"fail_after_tokens": 1}, "b": {}})
+    stream = await router.open(_request("one two three"))
+    texts: list[str] = []
+    with pytest.raises(BackendError):
+        await stream.feed(lambda chunk: texts.append(chunk.text))
+    assert texts == ["one"]
+    assert mocks["b"].num_started == 0
+    assert router.outstanding()["a"] == 0

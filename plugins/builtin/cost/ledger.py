@@ -2,9 +2,11 @@
 
 Writes go through one writer thread with a queue: each :meth:`Ledger.write` enqueues a
 record and awaits a future; the thread takes everything queued (a *group commit*: one
-transaction and one fsync for all of them), commits, then resolves the futures. So the
-event loop never blocks on the disk, concurrent requests share fsyncs, and a caller that
-awaited :meth:`Ledger.write` knows its record is committed (WAL mode: with
+transaction and one fsync for all of them), commits, then resolves the futures (those of
+one event loop with one call into it per commit: thread hand-offs, not SQLite, are most
+of a write's CPU). So the event loop never blocks on the disk, concurrent requests share
+fsyncs, and a caller that awaited :meth:`Ledger.write` knows its record is committed
+(WAL mode: with
 ``synchronous=NORMAL``, the default, it survives a killed process; with ``FULL`` also a
 power cut, for one fsync per group commit). A crashed process leaves a WAL file that SQLite
 replays on the next open.
@@ -64,29 +66,6 @@ CREATE INDEX IF NOT EXISTS usage_records_key ON usage_records (api_key_id, creat
 CREATE INDEX IF NOT EXISTS usage_records_tenant ON usage_records (tenant, created_at);
 """
 
-_COLUMNS = (
-    "request_id",
-    "created_at",
-    "finished_at",
-    "api_key_id",
-    "tenant",
-    "model",
-    "backend",
-    "kind",
-    "status",
-    "error_code",
-    "num_choices",
-    "input_tokens",
-    "cached_input_tokens",
-    "output_tokens",
-    "cost",
-    "ttft_s",
-    "tpot_s",
-    "duration_s",
-)
-_INSERT = (
-    f"INSERT INTO usage_records ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
-)
 # Records committed per transaction at most (a burst larger than this takes several).
 _MAX_BATCH = 512
 
@@ -123,10 +102,21 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     duration_s: float = 0.0
 
     def row(self) -> tuple[object, ...]:
-        return tuple(getattr(self, column) for column in _COLUMNS)
+        """The values of the record's columns (its fields, in order)."""
+        return msgspec.structs.astuple(self)
 
 
-_Item = tuple[UsageRecord, "Future[None]"]
+#: A queued record and who waits for it: a thread's future (:meth:`Ledger.submit`) or an
+#: event loop's (:meth:`Ledger.write`).
+#: The columns a record fills: its fields, in order.
+_COLUMNS = UsageRecord.__struct_fields__
+_INSERT = (
+    f"INSERT INTO usage_records ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
+)
+
+_Item = tuple[UsageRecord, "Future[None] | asyncio.Future[None]"]
+#: An event loop's future and the error of its record (None: committed).
+_Outcome = tuple["asyncio.Future[None]", BaseException | None]
 
 
 class Ledger:
@@ -157,15 +147,20 @@ class Ledger:
     def submit(self, record: UsageRecord) -> Future[None]:
         """Queue ``record``; the future resolves once its transaction committed."""
         future: Future[None] = Future()
-        with self._lock:
-            if self._closed:
-                raise LedgerError("the usage ledger is closed")
-            self._queue.put((record, future))
+        self._put((record, future))
         return future
 
     async def write(self, record: UsageRecord) -> None:
         """Queue ``record`` and wait until it is committed (the event loop keeps running)."""
-        await asyncio.wrap_future(self.submit(record))
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._put((record, future))
+        await future
+
+    def _put(self, item: _Item) -> None:
+        with self._lock:
+            if self._closed:
+                raise LedgerError("the usage ledger is closed")
+            self._queue.put(item)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Commit what is queued, stop the writer thread, close the file. Idempotent."""
@@ -191,11 +186,9 @@ class Ledger:
             if item is None:
                 break
             batch = [item]
-            while len(batch) < _MAX_BATCH:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
+            # Only this thread takes from the queue: not empty means get_nowait succeeds.
+            while len(batch) < _MAX_BATCH and not self._queue.empty():
+                more = self._queue.get_nowait()
                 if more is None:
                     stop = True
                     break
@@ -204,8 +197,6 @@ class Ledger:
         self._connection.close()
 
     def _commit(self, batch: list[_Item]) -> None:
-        # A future cancelled by its waiter (hook timeout) still gets its record written.
-        live = [(record, future) for record, future in batch if _start(future)]
         errors: dict[int, BaseException] = {}
         try:
             with self._connection:
@@ -217,23 +208,41 @@ class Ledger:
                     with self._connection:
                         self._connection.execute(_INSERT, record.row())
                 except sqlite3.Error as exc:
-                    errors[id(batch[index][1])] = exc
+                    logger.error("usage ledger: record %s not written: %s", record.request_id, exc)
+                    errors[index] = LedgerError(f"{record.request_id}: {exc}")
         except sqlite3.Error as exc:
             logger.error("usage ledger: writing %d records failed: %s", len(batch), exc)
-            for record, future in live:
-                future.set_exception(LedgerError(f"{record.request_id}: {exc}"))
-            return
-        for record, future in live:
-            error = errors.get(id(future))
-            if error is None:
-                future.set_result(None)
-            else:
-                logger.error("usage ledger: record %s not written: %s", record.request_id, error)
-                future.set_exception(LedgerError(f"{record.request_id}: {error}"))
+            errors = {
+                index: LedgerError(f"{record.request_id}: {exc}")
+                for index, (record, _) in enumerate(batch)
+            }
+        outcomes: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
+        for index, (_, future) in enumerate(batch):
+            error = errors.get(index)
+            if isinstance(future, asyncio.Future):
+                outcomes.setdefault(future.get_loop(), []).append((future, error))
+            elif future.set_running_or_notify_cancel():  # else cancelled by its waiter
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+        for loop, settled in outcomes.items():
+            try:
+                loop.call_soon_threadsafe(_settle, settled)
+            except RuntimeError:  # that loop is closed: nobody waits any more
+                pass
 
 
-def _start(future: Future[None]) -> bool:
-    return future.set_running_or_notify_cancel()
+def _settle(outcomes: list[_Outcome]) -> None:
+    # In the waiters' event loop. A future cancelled by its waiter (hook timeout) is left
+    # alone; its record was written all the same.
+    for future, error in outcomes:
+        if future.done():
+            continue
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
 
 def _connect(path: Path, *, create: bool) -> sqlite3.Connection:

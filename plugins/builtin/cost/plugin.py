@@ -82,6 +82,8 @@ class CostPlugin:
         self._meter = ShareMeter()
         self._pending: dict[str, _Pending] = {}
         self._cost_total: Counter | None = None
+        #: (model, api key id, tenant) -> that series of ``_cost_total``.
+        self._cost_children: dict[tuple[str, str, str], Any] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -96,6 +98,7 @@ class CostPlugin:
             ["model", "api_key", "tenant"],
             registry=registry,
         )
+        self._cost_children.clear()
 
     @hookimpl
     def infermux_startup(self, config: InfermuxConfig) -> None:
@@ -184,11 +187,11 @@ class CostPlugin:
             api_key_id=record.api_key_id, tenant=record.tenant, cost=cost, at=record.created_at
         )
         if self._cost_total is not None:
-            self._cost_total.labels(
-                model=record.model,
-                api_key=record.api_key_id or "none",
-                tenant=record.tenant or "none",
-            ).inc(cost)
+            labels = (record.model, record.api_key_id or "none", record.tenant or "none")
+            counter = self._cost_children.get(labels)
+            if counter is None:  # labels() costs more than the rest of this hook
+                counter = self._cost_children[labels] = self._cost_total.labels(*labels)
+            counter.inc(cost)
 
     def _leave(self, pending: _Pending, model: str, key: Hashable) -> None:
         backend = pending.in_flight.pop(key)

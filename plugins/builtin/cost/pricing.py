@@ -35,6 +35,8 @@ class PriceBook:
 
     def rule_for(self, model: str | None, backend: str | None) -> PriceConfig | None:
         """Model and backend, else backend alone, else model alone, else None (free)."""
+        if not self._rules:
+            return None
         for key in ((model, backend), (None, backend), (model, None)):
             if key == (None, None):  # no rule names neither (config validation)
                 continue
