@@ -24,7 +24,6 @@ with fbgemm when the compute dtype is fp32, else ``"dense"``; ``"int8"`` is opt-
 
 from __future__ import annotations
 
-import warnings
 from typing import Literal
 
 import torch
@@ -70,51 +69,28 @@ class DenseLinear:
 
 
 class Fp16Linear:
-    """fp16 weights packed for fbgemm; fp32 activations, fp32 accumulation (CPU only)."""
+    """fp16 weights packed for fbgemm; fp32 activations, fp32 accumulation (CPU only).
 
-    __slots__ = ("_bias", "_packed", "nbytes")
+    Through ``quantized::linear_dynamic_fp16``, which splits the product over torch's threads
+    (ATen's older ``fbgemm_linear_fp16_weight`` costs less per call, ~3 vs ~20 us, but runs on
+    one thread: 2x slower at 2 threads).
+    """
+
+    __slots__ = ("_packed", "nbytes")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         w = weight.detach().float().contiguous()
-        self._bias = torch.zeros(w.shape[0]) if bias is None else bias.detach().float().contiguous()
-        self._packed = _pack_fp16(w)
-        self.nbytes = w.numel() * 2 + (0 if bias is None else self._bias.numel() * 4)
+        b = None if bias is None else bias.detach().float().contiguous()
+        self._packed = torch.ops.quantized.linear_prepack_fp16(w, b)
+        self.nbytes = w.numel() * 2 + (0 if b is None else b.numel() * 4)
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (T, in) fp32 -> (T, out) fp32."""
-        return _fp16_linear(x, self._packed, self._bias)
+        return _linear_dynamic_fp16(x, self._packed)
 
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
         """``residual + self(x)``."""
         return torch.add(residual, self(x))
-
-
-# ATen's own fbgemm fp16 functions cost ~3 us per call; the ``quantized::linear_dynamic_fp16``
-# custom-class op does the same product but pays ~20 us of boxed dispatch per call, ~2.5 ms per
-# decode step of a 30-layer model. torch marks the ATen pair deprecated (a warning per process)
-# but 2.13 has them; the custom op is the fallback where they are gone.
-if hasattr(torch, "fbgemm_linear_fp16_weight_fp32_activation"):
-
-    def _pack_fp16(weight: Tensor) -> object:
-        with warnings.catch_warnings():
-            # torch warns once per process: spend that warning here, on a throwaway product.
-            warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated", category=UserWarning)
-            packed = torch.fbgemm_pack_gemm_matrix_fp16(weight)
-            torch.fbgemm_linear_fp16_weight_fp32_activation(
-                torch.zeros(1, weight.shape[1]), packed, torch.zeros(weight.shape[0])
-            )
-        return packed
-
-    def _fp16_linear(x: Tensor, packed: object, bias: Tensor) -> Tensor:
-        return torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, bias)
-
-else:  # pragma: no cover - newer torch without the ATen functions
-
-    def _pack_fp16(weight: Tensor) -> object:
-        return torch.ops.quantized.linear_prepack_fp16(weight, None)
-
-    def _fp16_linear(x: Tensor, packed: object, bias: Tensor) -> Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, packed) + bias
 
 
 class Int8Linear:
@@ -180,6 +156,9 @@ class TopKRefinedLinear:
 
 
 Linear = DenseLinear | Fp16Linear | Int8Linear | TopKRefinedLinear
+
+#: The overload itself: skips the packet's per-call overload resolution.
+_linear_dynamic_fp16 = torch.ops.quantized.linear_dynamic_fp16.default
 
 
 def fbgemm_available() -> bool:
