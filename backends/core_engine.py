@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -56,9 +56,9 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     model_path: str | None = None
     #: "auto" (bf16 where the hardware has native bf16, else fp32), "bfloat16", "float32"...
     dtype: str = "auto"
-    #: "auto" (fp16-packed matmul weights for fp32 compute on a CPU with fbgemm), "dense",
-    #: "fp16", or "int8" (opt-in: int8 GEMMs, ~llama.cpp's fidelity; see docs/benchmarks.md).
-    weight_format: str = "auto"
+    #: "auto"/"dense" (weights in ``dtype``), "fp16" (fbgemm-packed, CPU) or "int8" (CPU fast
+    #: path: int8 GEMMs at ~llama.cpp's fidelity; see docs/benchmarks.md).
+    weight_format: Literal["auto", "dense", "fp16", "int8"] = "auto"
     device: str = "cpu"
     kv_cache_memory_mb: int = 512
     block_size: int = 16
@@ -140,7 +140,7 @@ class CoreEngineBackend:
             config = EngineConfig(
                 model_path=str(path),
                 dtype=o.dtype,  # type: ignore[arg-type]
-                weight_format=o.weight_format,  # type: ignore[arg-type]
+                weight_format=o.weight_format,
                 device=o.device,
                 kv_cache_memory_bytes=o.kv_cache_memory_mb * 2**20,
                 block_size=o.block_size,

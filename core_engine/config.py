@@ -22,10 +22,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model_path: str
     #: "auto": bfloat16 where the CPU/GPU runs bf16 matmuls natively, else float32.
     dtype: DType = "auto"
-    #: How the matmul weights are stored (see :mod:`core_engine.model.linear`): "auto" packs
-    #: them as fp16 for fbgemm when computing in fp32 on a CPU (half the bytes per decode
-    #: step), else keeps them "dense" in ``dtype``. "int8" (opt-in, CPU): int8 weights and
-    #: int8 GEMMs, lossy but as close to the exact model as llama.cpp's 8-bit arithmetic.
+    #: How the matmul weights are stored (see :mod:`core_engine.model.linear`): "auto" and
+    #: "dense" keep them in ``dtype``; "fp16" (CPU) packs them as fp16 for fbgemm; "int8"
+    #: (CPU, the fast path) uses int8 weights and int8 GEMMs, lossy but as close to the exact
+    #: model as llama.cpp's own 8-bit arithmetic.
     weight_format: WeightFormat = "auto"
     device: str = "cpu"
     #: Memory for the KV-cache pool (all layers, K and V).

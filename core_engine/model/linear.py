@@ -7,8 +7,8 @@ these instead of ``F.linear`` directly, so the storage format is chosen once, af
 * :class:`Fp16Linear` - fbgemm's fp16-weight GEMM: the weight is stored as fp16 in fbgemm's
   packed layout and widened to fp32 inside the kernel, so activations and accumulation stay
   fp32. On x86 CPUs without native bf16 (the dev machine: AVX512 but no AVX512-BF16) decode is
-  bound by the bytes of weight read per step, and half the bytes made single-stream and 16-way
-  decode ~1.4x faster than fp32 (1 thread, shared machine); at 64 rows it is no slower. Every
+  bound by the bytes of weight read per step; half the bytes made 1-thread decode ~1.4x faster,
+  but at 2 threads only 16-row batches gained (fbgemm's per-call dispatch is ~20 us). Every
   weight of a Q4_0/Q4_1/Q8_0 GGUF is ``d * q (+ m)`` with fp16 ``d``/``m``, so fp16 storage
   rounds each weight by at most 2^-11 relative - far below the file's own 4-bit step.
 * :class:`Int8Linear` - int8 weight rows (one fp32 scale each) times 16-bit fixed-point
@@ -18,8 +18,9 @@ these instead of ``F.linear`` directly, so the storage format is chosen once, af
   exact next-token distribution 0.0032 vs llama.cpp's 0.0028 on SmolLM2). The LM head is
   wrapped in :class:`TopKRefinedLinear` so the logits that decide sampling are exact.
 
-``weight_format`` values (``EngineConfig.weight_format``): ``"auto"`` picks ``"fp16"`` on a CPU
-with fbgemm when the compute dtype is fp32, else ``"dense"``; ``"int8"`` is opt-in.
+``weight_format`` values (``EngineConfig.weight_format``): ``"auto"`` keeps ``"dense"`` weights
+(at 2 threads on the dev CPU fp16 won only at 16 rows and lost at 1 and 512); ``"fp16"`` and
+``"int8"`` are opt-in, ``"int8"`` being the fast path (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -167,15 +168,15 @@ def fbgemm_available() -> bool:
 
 
 def resolve_weight_format(name: str, *, dtype: torch.dtype, device: torch.device | str) -> str:
-    """``"auto"`` -> ``"fp16"`` for fp32 compute on a CPU with fbgemm, else ``"dense"``.
+    """``"auto"`` -> ``"dense"`` (measured best default on the dev CPU; see docs/benchmarks.md).
 
-    Raises ValueError for an unknown name or ``"fp16"`` where it cannot run.
+    Raises ValueError for an unknown name, or ``"fp16"``/``"int8"`` where they cannot run.
     """
     if name not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}; got {name!r}")
     usable = torch.device(device).type == "cpu" and dtype == torch.float32 and fbgemm_available()
     if name == "auto":
-        return "fp16" if usable else "dense"
+        return "dense"
     if name in ("fp16", "int8") and not usable:
         raise ValueError(
             f"weight_format={name!r} needs fp32 compute on a CPU whose torch has fbgemm "

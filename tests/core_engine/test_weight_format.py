@@ -1,9 +1,8 @@
-"""Matmul weight storage: fp16-packed weights (the CPU default) give the dense model's answers;
-int8 weights stay as close to the exact model as llama.cpp's own 8-bit arithmetic.
+"""Matmul weight storage: fp16-packed weights give the dense model's answers; int8 weights stay
+as close to the exact model as llama.cpp's own 8-bit arithmetic.
 
-``EngineConfig.weight_format="auto"`` stores every projection and the LM head as fp16 for
-fbgemm when the engine computes in fp32 on a CPU. The file's weights are 4-bit blocks with fp16
-scales, so the fp16 copy is within 2^-11 of each weight: the logits must stay within a small
+``EngineConfig.weight_format="fp16"`` stores every projection and the LM head as fp16 for
+fbgemm (CPU, fp32 compute). The file's weights are 4-bit blocks with fp16 scales, so the fp16 copy is within 2^-11 of each weight: the logits must stay within a small
 fraction of their spread and greedy decoding must not change.
 
 ``weight_format="int8"`` (opt-in) requantises each projection to int8 rows and multiplies
@@ -69,7 +68,8 @@ def test_fp16_linear_matches_dense_product_of_fp16_rounded_weights() -> None:
 
 
 def test_weight_format_is_validated() -> None:
-    assert resolve_weight_format("auto", dtype=torch.float32, device="cpu") == "fp16"
+    assert resolve_weight_format("auto", dtype=torch.float32, device="cpu") == "dense"
+    assert resolve_weight_format("fp16", dtype=torch.float32, device="cpu") == "fp16"
     assert resolve_weight_format("auto", dtype=torch.bfloat16, device="cpu") == "dense"
     assert resolve_weight_format("int8", dtype=torch.float32, device="cpu") == "int8"
     with pytest.raises(ValueError, match="weight_format must be one of auto, dense, fp16, int8; got 'int3'"):
@@ -84,7 +84,7 @@ def test_packing_frees_the_dense_weights_and_keeps_the_outputs(tmp_path) -> None
     ids = tok.encode(TEXT)
     dense = _logits(model, ids)
     dense_bytes = model.matmul_weight_bytes()
-    assert model.set_weight_format("auto") == "fp16"
+    assert model.set_weight_format("fp16") == "fp16"
     assert model.layers[0].qkv_proj is None and model.layers[0].gate_up_proj is None
     assert model.matmul_weight_bytes() == dense_bytes // 2
     packed = _logits(model, ids)
@@ -98,7 +98,7 @@ def test_packing_frees_the_dense_weights_and_keeps_the_outputs(tmp_path) -> None
 def test_smollm2_fp16_weights_decode_like_dense_fp32() -> None:
     path = default_model_path()
     dense = make_engine(path, weight_format="dense")
-    packed = make_engine(path, weight_format="auto")
+    packed = make_engine(path, weight_format="fp16")
     assert dense.model_runner.model.weight_format == "dense"
     assert packed.model_runner.model.weight_format == "fp16"
     tok = dense.tokenizer
