@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from torch import Tensor
 from tqdm import tqdm
 
+from core_engine.cpu_features import cpu_flags
 from core_engine.model.config import LlamaConfig, RopeScaling
 from core_engine.model.llama import LlamaModel
 from core_engine.model.llamacpp_numerics import NUMERICS, LlamaCppModel, attach_llamacpp_numerics
@@ -43,11 +44,7 @@ class GGUFLoadError(ValueError):
 
 
 def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not {"avx512_bf16", "amx_bf16"}.isdisjoint(cpu_flags())
 
 
 def preferred_dtype(device: torch.device | str = "cpu") -> torch.dtype:

@@ -174,13 +174,16 @@ def resolve_weight_format(name: str, *, dtype: torch.dtype, device: torch.device
     """
     if name not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}; got {name!r}")
-    usable = torch.device(device).type == "cpu" and dtype == torch.float32 and fbgemm_available()
+    # fp16 runs fbgemm's kernels; int8 its own (compiled when first used).
+    on_cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    usable = on_cpu_fp32 and (name != "fp16" or fbgemm_available())
     if name == "auto":
         return "dense"
     if name in ("fp16", "int8") and not usable:
         raise ValueError(
-            f"weight_format={name!r} needs fp32 compute on a CPU whose torch has fbgemm "
-            f"(got dtype {dtype} on {device})"
+            f"weight_format={name!r} needs fp32 compute on a CPU"
+            + (" whose torch has fbgemm" if name == "fp16" else "")
+            + f" (got dtype {dtype} on {device})"
         )
     return name
 

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from backends.mlx.gguf_loader import GGUFLoadError, load_gguf_model
 from backends.mlx.llamacpp_numerics import Numerics
 from backends.mlx.tokenizer import _byte_decoder
+from core_engine.cpu_features import cpu_flags
 
 Q4_0, Q4_1, Q5_0, Q8_0 = (
     GGMLQuantizationType.Q4_0,
@@ -34,19 +35,9 @@ Q4_0, Q4_1, Q5_0, Q8_0 = (
 TOKENS = list(range(100, 400, 7))  # 43 positions
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 #: llama.cpp runs the kernels ``numerics="llamacpp"`` emulates (x86 AVX512 with FMA and F16C);
 #: elsewhere it sums in other orders and the mode is only close to it.
-EMULATED_CPU = {"avx512f", "avx512dq", "avx2", "fma", "f16c"} <= _cpu_flags()
+EMULATED_CPU = {"avx512f", "avx512dq", "avx2", "fma", "f16c"} <= cpu_flags()
 #: Largest logit difference to llama.cpp in ``numerics="llamacpp"`` on the emulated CPU: the
 #: layers are bit-identical, the LM head sums in MLX's order (measured 1.5e-5 here, 5e-5 on
 #: SmolLM2).

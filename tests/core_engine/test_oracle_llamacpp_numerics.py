@@ -23,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from backends.default_model import default_model_path
+from core_engine.cpu_features import cpu_flags
 from core_engine.gguf_loader import load_model
 from core_engine.model.llamacpp_numerics import LlamaCppAttention, LlamaCppModel
 from core_engine.tokenizer import Tokenizer
@@ -38,19 +39,8 @@ from tests.core_engine.test_oracle import (
     _top1_agreement,
 )
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 #: The emulated kernels are ggml's x86 AVX512 ones (avx512f + avx512dq select its expf).
-EMULATED_CPU = {"avx512f", "avx512dq", "avx2", "fma", "f16c"} <= _cpu_flags()
+EMULATED_CPU = {"avx512f", "avx512dq", "avx2", "fma", "f16c"} <= cpu_flags()
 
 
 @pytest.fixture(scope="module", autouse=True)

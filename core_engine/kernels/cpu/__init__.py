@@ -2,7 +2,7 @@
 
 ``int8_linear.cpp`` is built with the system C++ compiler against the installed torch into
 ``$INFERMUX_CACHE_DIR`` (default ``~/.cache/infermux/kernels``), keyed by a hash of the source,
-the torch version and the compiler flags, so a machine compiles it once (~30 s on 2 cores) and
+the torch version, the CPU's features and the compiler flags, so a machine compiles it once (~30 s on 2 cores) and
 later processes load the shared library. A file lock keeps concurrent first uses (e.g. several
 gateway workers) from building it twice.
 """
@@ -24,6 +24,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from core_engine.cpu_features import cpu_flags
 
 __all__ = ["KernelBuildError", "int8_linear_module"]
 
@@ -74,7 +76,9 @@ def _load(path: Path) -> ModuleType:
 @cache
 def int8_linear_module() -> ModuleType:
     """The compiled ``int8_linear`` extension (built here on the first call on a machine)."""
+    # -march=native: a home directory shared by different CPUs must not share the library.
     key_parts = [_SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode()]
+    key_parts.append(" ".join(sorted(cpu_flags())).encode())
     probe = _compile_command(Path("out.so"))
     key_parts.append(" ".join(probe).encode())
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
