@@ -131,6 +131,10 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
 
     text: str = ""
     token_ids: tuple[int, ...] = ()
+    #: How many output tokens the chunk carries when ``token_ids`` does not say; None: one
+    #: per chunk of text (an HTTP upstream's events that arrived together, merged for an
+    #: answer sent in one body, say how many they were).
+    token_count: int | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     #: Completions ``echo``: prompt text with its per-token logprobs, on the first chunk only.
     prompt_text: str | None = None

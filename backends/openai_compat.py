@@ -7,7 +7,9 @@ keep-alive HTTP/1.1), ``https://`` ones (and any, with the option ``http_transpo
 everything after sending is shared. Upstream requests always stream (``stream: true``
 with ``stream_options.include_usage``), whatever the client asked, so the
 first token is seen as soon as it exists and usage arrives in the last event; the gateway
-assembles non-streaming answers. Closing the iterator closes the upstream response, which
+assembles non-streaming answers (for those, the text events of one network read go on as one
+chunk with its ``token_count``: the gateway's work per chunk is then paid per read, not per
+token). Closing the iterator closes the upstream response, which
 makes the upstream abort the generation.
 
 Errors are translated here, at the boundary::
@@ -268,6 +270,9 @@ class OpenAICompatBackend:
             # One generator from the network reads to the chunks (each layer of async
             # generators costs an exception per chunk); events become chunks in _take.
             events = _Events(request)
+            # Nobody sees the chunks of an answer sent in one body: the events of one read
+            # go on as one chunk, which is most of the gateway's work per token saved.
+            merge = not request.stream
             idle_timeout = config.idle_timeout
             parser = SSEParser()
             stream = response.aiter_bytes()
@@ -292,7 +297,7 @@ class OpenAICompatBackend:
                         events.has_output, f"{type(exc).__name__}: {exc}"
                     ) from exc
                 for chunk in self._take(
-                    events, parser.feed(data) if data is not None else parser.close()
+                    events, parser.feed(data) if data is not None else parser.close(), merge
                 ):
                     yield chunk
                 if events.error is not None:
@@ -311,10 +316,13 @@ class OpenAICompatBackend:
         finally:
             await response.aclose()
 
-    def _take(self, events: _Events, payloads: list[bytes]) -> list[GenerationChunk]:
+    def _take(self, events: _Events, payloads: list[bytes], merge: bool) -> list[GenerationChunk]:
         """The output chunks of ``payloads``. A broken event sets ``events.error`` (raised
-        after the chunks before it went out) and stops; ``[DONE]`` sets ``events.done``."""
+        after the chunks before it went out) and stops; ``[DONE]`` sets ``events.done``.
+        With ``merge``, each run of plain text events becomes one chunk."""
         chunks: list[GenerationChunk] = []
+        #: Texts of the run of plain text events not yet made a chunk (``merge``).
+        texts: list[str] = []
         is_chat = events.is_chat
         for payload in payloads:
             if payload == b"[DONE]":
@@ -346,14 +354,23 @@ class OpenAICompatBackend:
             logprobs = None
             if choice.logprobs is not None:
                 logprobs = (chat_logprobs if is_chat else completion_logprobs)(choice.logprobs)
-            if text or logprobs:
-                events.has_output = True
-                chunks.append(
-                    GenerationChunk(
-                        text=text or "", logprobs=logprobs, prompt_text=events.pending_prompt
-                    )
+            if not (text or logprobs):
+                continue
+            events.has_output = True
+            if merge and logprobs is None and events.pending_prompt is None:
+                texts.append(text)  # type: ignore[arg-type]
+                continue
+            if texts:
+                chunks.append(_text_chunk(texts))
+                texts = []
+            chunks.append(
+                GenerationChunk(
+                    text=text or "", logprobs=logprobs, prompt_text=events.pending_prompt
                 )
-                events.pending_prompt = None
+            )
+            events.pending_prompt = None
+        if texts:
+            chunks.append(_text_chunk(texts))
         return chunks
 
     async def _open(
@@ -444,6 +461,13 @@ class OpenAICompatBackend:
         if status >= 400:
             return InvalidRequestError(message, param=param, code=code)
         return UpstreamStatusError(f"{where}: unexpected upstream status {status}")
+
+
+def _text_chunk(texts: list[str]) -> GenerationChunk:
+    """One chunk for the texts of several events (merged: see ``_take``)."""
+    if len(texts) == 1:
+        return GenerationChunk(text=texts[0])
+    return GenerationChunk(text="".join(texts), token_count=len(texts))
 
 
 async def _drain(stream: AsyncIterator[bytes]) -> None:

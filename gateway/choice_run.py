@@ -382,7 +382,7 @@ class ChoiceRun:
 
 def _account(choice: ChoiceState, chunk: GenerationChunk) -> None:
     if chunk.token_ids or chunk.text:
-        choice.num_streamed_tokens += len(chunk.token_ids) or 1
+        choice.num_streamed_tokens += chunk.token_count or len(chunk.token_ids) or 1
         now = time.monotonic()
         if choice.last_output_at is not None:
             choice.output_gaps.append(now - choice.last_output_at)

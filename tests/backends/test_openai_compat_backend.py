@@ -6,12 +6,14 @@ limit, fail, or die mid-stream; each test checks what a gateway user would see.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from upstream_server import Behaviour, UpstreamServer, closed_port_url
 
+from backends._sse import SSEParser
 from backends.base import (
     BackendConfig,
     ChatMessage,
@@ -29,7 +31,7 @@ from backends.errors import (
     UpstreamStatusError,
     UpstreamTimeoutError,
 )
-from backends.openai_compat import OpenAICompatBackend, create_backend
+from backends.openai_compat import OpenAICompatBackend, _Events, create_backend
 
 StartUpstream = Callable[..., UpstreamServer]
 
@@ -39,13 +41,16 @@ def _backend(base_url: str, **config: Any) -> OpenAICompatBackend:
     return create_backend(BackendConfig(name="remote", kind="openai", options=options, **config))
 
 
-def _chat(text: str = "hello from the test", **params: Any) -> GenerationRequest:
+def _chat(
+    text: str = "hello from the test", *, stream: bool = True, **params: Any
+) -> GenerationRequest:
     return GenerationRequest(
         request_id="req-1",
         model="alias",
         kind="chat",
         messages=(ChatMessage(role="user", content=text),),
         params=SamplingParams(**params),
+        stream=stream,
         traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     )
 
@@ -79,6 +84,57 @@ async def test_streams_chunk_by_chunk_with_usage(
     assert sent.json["model"] == "upstream-name"
     assert sent.json["max_tokens"] == 50
     assert sent.headers["traceparent"] == _chat().traceparent
+
+
+async def test_for_an_answer_in_one_body_events_read_together_become_one_chunk(
+    upstream_servers: StartUpstream,
+) -> None:
+    backend = _backend(upstream_servers(Behaviour()).base_url)
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        *({"choices": [{"index": 0, "delta": {"content": w}}]} for w in ["a", " b", " c"]),
+        {"choices": [{"index": 0, "delta": {"content": " d"}, "logprobs": {"content": []}}]},
+        {"choices": [{"index": 0, "delta": {"content": " e"}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}},
+    ]
+    wire = SSEParser().feed(b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in events))
+
+    def take(stream: bool) -> list[GenerationChunk]:
+        return backend._take(_Events(_chat(stream=stream)), wire, not stream)
+
+    # Streamed to the client: one chunk per event, as the upstream sent them.
+    assert [(c.text, c.token_count) for c in take(stream=True)] == [
+        ("a", None),
+        (" b", None),
+        (" c", None),
+        (" d", None),
+        (" e", None),
+    ]
+    # In one body: the plain text events run together, saying how many tokens they were;
+    # an event with logprobs stays on its own.
+    merged = take(stream=False)
+    assert [(c.text, c.token_count) for c in merged] == [
+        ("a b c", 3),
+        (" d", None),
+        (" e", None),
+    ]
+    assert merged[1].logprobs == ()
+    await backend.aclose()
+
+
+async def test_an_answer_in_one_body_cut_short_counts_every_token_it_got(
+    upstream_servers: StartUpstream,
+) -> None:
+    """The gateway charges a broken answer for the tokens that arrived (merged or not)."""
+    upstream = upstream_servers(Behaviour(mode="die_mid_stream", after_chunks=3))
+    backend = _backend(upstream.base_url)
+    received: list[GenerationChunk] = []
+    with pytest.raises(BackendError):
+        async for chunk in backend.generate(_chat("one two three four", stream=False)):
+            received.append(chunk)
+    await backend.aclose()
+    assert "".join(c.text for c in received) == "one two three"
+    assert sum(c.token_count or 1 for c in received) == 3
 
 
 async def test_connections_are_kept_alive_and_stale_ones_replaced(
