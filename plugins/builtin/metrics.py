@@ -32,6 +32,7 @@ client cannot grow the label set. OTel instruments: ``gen_ai.server.request.dura
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import os
@@ -336,6 +337,20 @@ class MetricsPlugin:
 
     @hookimpl
     def infermux_on_request_end(self, summary: RequestSummary) -> None:
+        if self._prom is None:
+            return
+        # Recorded in the loop's next turn: after the response's final bytes went out (the
+        # gateway sends them right after this hook, without waiting in between), before any
+        # request that arrives meanwhile (a scrape) is read. A dozen histogram and counter
+        # updates are then off the request's latency.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._record(summary)
+        else:
+            loop.call_soon(self._record, summary)
+
+    def _record(self, summary: RequestSummary) -> None:
         prom = self._prom
         if prom is None:
             return
