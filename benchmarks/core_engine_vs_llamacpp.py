@@ -89,7 +89,10 @@ def model_costs(engine: LLMEngine) -> dict[str, float]:
     per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
     per_layer += 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up, down
     matmul_params = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
-    return {"weight_bytes": float(model.matmul_weight_bytes()), "flops_per_token": 2.0 * matmul_params}
+    return {
+        "weight_bytes": float(model.matmul_weight_bytes()),
+        "flops_per_token": 2.0 * matmul_params,
+    }
 
 
 # -- the core engine ----------------------------------------------------------------------
@@ -154,7 +157,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
-        "--weight-format", default="auto", choices=["auto", "dense", "fp16", "int8"],
+        "--weight-format",
+        default="auto",
+        choices=["auto", "dense", "fp16", "int8"],
         help="matmul weight storage (EngineConfig.weight_format)",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
@@ -163,7 +168,9 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=1500)
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per figure")
     parser.add_argument("--no-llamacpp", action="store_true")
-    parser.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step")
+    parser.add_argument(
+        "--compile-decode", action="store_true", help="torch.compile the decode step"
+    )
     parser.add_argument("--quick", action="store_true", help="reduced sizes: a proof run")
     parser.add_argument("--note", default="", help="free text stored in the JSON (machine state)")
     args = parser.parse_args()
@@ -182,7 +189,8 @@ def main() -> None:
             num_threads=args.threads,
             max_num_batched_tokens=max(512, args.prefill_len),
             max_num_seqs=max(args.concurrency),
-            kv_cache_memory_bytes=1 << 30, compile_decode=args.compile_decode,
+            kv_cache_memory_bytes=1 << 30,
+            compile_decode=args.compile_decode,
         )
     )
     dtype = engine.model_runner.kv_cache.storage.dtype
@@ -259,7 +267,9 @@ def main() -> None:
         llama.prefill([prompt])
         return args.prefill_len / (time.perf_counter() - t)
 
-    eng_tps, llama_tps = side_by_side(args.repeats, engine_prefill, llama_prefill if llama else None)
+    eng_tps, llama_tps = side_by_side(
+        args.repeats, engine_prefill, llama_prefill if llama else None
+    )
     results[f"prefill_{args.prefill_len}"] = {
         "unit": "tok/s",
         "engine": eng_tps,
@@ -280,13 +290,18 @@ def main() -> None:
             assert llama_multi is not None
             return conc * n / llama_multi.generate(prompts, n)[1]
 
-        eng_tps, llama_tps = side_by_side(args.repeats, engine_batch, llama_batch if llama else None)
+        eng_tps, llama_tps = side_by_side(
+            args.repeats, engine_batch, llama_batch if llama else None
+        )
         results[f"batch_{conc}"] = {
             "unit": "tok/s",
             "engine": eng_tps,
             "llamacpp": llama_tps,
             "engine_roofline": None,
-            "roofline_fn": lambda conc=conc: (roofline(conc, costs["weight_bytes"]), roofline(conc, gguf_bytes)),
+            "roofline_fn": lambda conc=conc: (
+                roofline(conc, costs["weight_bytes"]),
+                roofline(conc, gguf_bytes),
+            ),
         }
 
     print(f"TTFT with a {args.prefix_len}-token cached prefix...", flush=True)
@@ -397,7 +412,9 @@ def report(
         "quick": args.quick,
         "output_len": args.output_len,
         "note": args.note,
-        "cpu_share_min_median": [min(CPU_SHARE), sorted(CPU_SHARE)[len(CPU_SHARE) // 2]] if CPU_SHARE else None,
+        "cpu_share_min_median": [min(CPU_SHARE), sorted(CPU_SHARE)[len(CPU_SHARE) // 2]]
+        if CPU_SHARE
+        else None,
         "machine": {**machine, "cpu": platform.processor() or platform.machine()},
         "costs": {**costs, "gguf_bytes": gguf_bytes},
         "targets": TARGETS,

@@ -1,7 +1,7 @@
 """Gateway overhead: the latency infermux adds in front of a fast upstream, next to LiteLLM.
 
 A minimal OpenAI-shaped upstream (raw ASGI under uvicorn, answers from precomputed bytes)
-is called three ways with the same requests, interleaved so that noise hits all alike:
+is called three ways with the same requests:
 
 * ``direct``   - the upstream itself,
 * ``infermux`` - through infermux (a ``kind = "openai"`` backend pointing at the upstream),
@@ -11,7 +11,16 @@ is called three ways with the same requests, interleaved so that noise hits all 
 Scenarios: sequential non-streaming, sequential streaming (``--chunks`` content chunks), and
 non-streaming at ``--concurrency`` in flight. "Added" latency is a gateway's percentile minus
 the direct percentile; the added time per streamed chunk is the added stream duration after
-the first byte divided by the chunks after the first. Target on the dev machine: added p50
+the first byte divided by the chunks after the first.
+
+Sequential requests are interleaved so that noise hits a gateway and its baseline alike:
+each gateway is measured in blocks of ``--block`` rounds, a round being one direct request
+and one through the gateway (in alternating order), and the gateways' blocks alternate. The
+direct requests of a gateway's blocks are its baseline (``direct`` for infermux,
+``direct:litellm`` for LiteLLM). Blocks rather than one rotation over all three: a LiteLLM
+request is ~12 ms of Python that evicts the other processes' working sets from the CPU
+caches, so in a rotation every infermux request ran cold and its added p50 rose by a
+quarter to a half (``--block 1`` gives that rotation back, pairwise). Target on the dev machine: added p50
 <= 1 ms, p99 <= 5 ms. Every process runs on this machine, so the figures include the CPU
 the gateways take from the client and the upstream (as a sidecar gateway would).
 
@@ -54,6 +63,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 LITELLM_VENV = ROOT / ".venv-litellm"
 ALIAS = "bench"
 TARGETS = ("direct", "infermux", "litellm")
+DIRECT = "direct"
 #: Sequential rounds run before the measured ones (connections, caches).
 _WARMUP = 20
 #: LiteLLM's proxy refuses to start without a master key; every target gets the same header.
@@ -193,23 +203,38 @@ def _body(target: str, stream: bool, chunks: int) -> bytes:
     ).encode()
 
 
+def baseline_of(target: str) -> str:
+    """The samples a gateway's added latency is measured against (see the module doc)."""
+    return DIRECT if target in (DIRECT, "infermux") else f"{DIRECT}:{target}"
+
+
 def _sequential(
-    urls: dict[str, str], *, requests: int, stream: bool, chunks: int, label: str
+    urls: dict[str, str], *, requests: int, block: int, stream: bool, chunks: int, label: str
 ) -> tuple[Samples, int]:
-    """Latency (and for streams, first byte) per target; targets interleaved per request.
-    Also the number of requests each target served, warm-up included."""
+    """Latency (and for streams, first byte) of each gateway and of its direct baseline, in
+    alternating blocks of rounds (see the module doc). Also the number of requests each
+    target served per gateway, warm-up included."""
     import httpx
     from tqdm import tqdm
 
     headers = {"content-type": "application/json", "authorization": f"Bearer {MASTER_KEY}"}
     clients = {t: httpx.Client(base_url=u, headers=headers, timeout=30.0) for t, u in urls.items()}
-    samples: Samples = {t: {"total": [], "first": []} for t in urls}
+    gateways = [t for t in urls if t != DIRECT]
+    samples: Samples = {}
+    for gateway in gateways:
+        samples[baseline_of(gateway)] = {"total": [], "first": []}
+        samples[gateway] = {"total": [], "first": []}
     bodies = {t: _body(t, stream, chunks) for t in urls}
-    names = list(urls)
+    # (gateway, round of that gateway): the warm-up rounds first, then blocks in turn.
+    plan = [(g, i) for g in gateways for i in range(_WARMUP)]
+    for start in range(_WARMUP, _WARMUP + requests, block):
+        plan += [
+            (g, i) for g in gateways for i in range(start, min(start + block, _WARMUP + requests))
+        ]
     try:
-        for i in tqdm(range(_WARMUP + requests), desc=label, unit="round", leave=False):
-            rotation = names[i % len(names) :] + names[: i % len(names)]
-            for target in rotation:
+        for gateway, i in tqdm(plan, desc=label, unit="round", leave=False):
+            pair = (DIRECT, gateway) if i % 2 == 0 else (gateway, DIRECT)
+            for target in pair:
                 client = clients[target]
                 started = time.perf_counter()
                 first = None
@@ -223,8 +248,9 @@ def _sequential(
                         raise RuntimeError(f"{target}: HTTP {response.status_code}")
                 total = time.perf_counter() - started
                 if i >= _WARMUP:  # the first rounds warm connections and caches
-                    samples[target]["total"].append(total)
-                    samples[target]["first"].append(first if first is not None else total)
+                    series = samples[gateway if target == gateway else baseline_of(gateway)]
+                    series["total"].append(total)
+                    series["first"].append(first if first is not None else total)
     finally:
         for client in clients.values():
             client.close()
@@ -292,10 +318,11 @@ def _summary(samples: Samples, chunks: int | None = None) -> dict[str, Any]:
             "mean": 1000 * statistics.fmean(total),
             "n": len(total),
         }
-    direct = out["latency_ms"]["direct"]
     for target in samples:
-        if target == "direct":
+        if target.startswith(DIRECT):
             continue
+        base = baseline_of(target) if baseline_of(target) in samples else DIRECT
+        direct = out["latency_ms"][base]
         mine = out["latency_ms"][target]
         added = {"p50": mine["p50"] - direct["p50"], "p99": mine["p99"] - direct["p99"]}
         if chunks and samples[target].get("first"):
@@ -305,10 +332,10 @@ def _summary(samples: Samples, chunks: int | None = None) -> dict[str, Any]:
                     a - b for a, b in zip(samples[t]["total"], samples[t]["first"], strict=True)
                 )
 
-            added["per_chunk"] = (body_time(target) - body_time("direct")) / max(1, chunks - 1)
+            added["per_chunk"] = (body_time(target) - body_time(base)) / max(1, chunks - 1)
             added["first_byte_p50"] = 1000 * (
                 statistics.median(samples[target]["first"])
-                - statistics.median(samples["direct"]["first"])
+                - statistics.median(samples[base]["first"])
             )
             added["per_chunk"] *= 1000
         out["added_ms"][target] = added
@@ -352,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrent-requests", type=int, default=1024, help="per target")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=16, help="content chunks per answer")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=50,
+        help="sequential rounds of one gateway before the other's (1: rotate every round)",
+    )
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
     parser.add_argument("--quick", action="store_true", help="a short run that proves it works")
     parser.add_argument("--role", choices=("infermux",), help=argparse.SUPPRESS)
@@ -404,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--config",
                     str(config),
                 ],
-                env={"PYTHONPATH": str(ROOT)},
+                # Its own ledger: the benchmark's requests stay out of the user's.
+                env={"PYTHONPATH": str(ROOT), "INFERMUX_LEDGER_PATH": str(Path(tmp) / "ledger")},
             )
         )
         _wait_http(f"http://127.0.0.1:{infermux_port}/ready", infermux, 120, "infermux")
@@ -456,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: _sequential(
                     urls,
                     requests=args.requests,
+                    block=args.block,
                     stream=False,
                     chunks=args.chunks,
                     label="sequential",
@@ -465,7 +500,12 @@ def main(argv: list[str] | None = None) -> int:
             (
                 "sequential_stream",
                 lambda: _sequential(
-                    urls, requests=args.requests, stream=True, chunks=args.chunks, label="streaming"
+                    urls,
+                    requests=args.requests,
+                    block=args.block,
+                    stream=True,
+                    chunks=args.chunks,
+                    label="streaming",
                 ),
                 args.chunks,
             ),
@@ -498,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             "concurrent_requests": args.concurrent_requests,
             "concurrency": args.concurrency,
             "chunks": args.chunks,
+            "block": args.block,
             "litellm_version": None if args.no_litellm else _litellm_version(),
         },
         "results": results,

@@ -42,7 +42,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def print_table(results: dict[str, Any], ratios: dict[str, float | None]) -> None:
     print()
     print(
-        f"{'scenario':<22}{'target':<10}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}"
+        f"{'scenario':<22}{'target':<16}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}"
         f"{'+/chunk ms':>11}{'CPU us/req':>11}"
     )
     for scenario, summary in results.items():
@@ -51,9 +51,9 @@ def print_table(results: dict[str, Any], ratios: dict[str, float | None]) -> Non
             added = summary["added_ms"].get(target, {})
             per_chunk = added.get("per_chunk")
             # The gateway process's CPU per request; for "direct", the upstream's.
-            used = cpu.get("upstream" if target == "direct" else target)
+            used = cpu.get("upstream" if target.startswith("direct") else target)
             print(
-                f"{scenario:<22}{target:<10}{latency['p50']:>9.3f}{latency['p99']:>9.3f}"
+                f"{scenario:<22}{target:<16}{latency['p50']:>9.3f}{latency['p99']:>9.3f}"
                 f"{added.get('p50', 0.0):>9.3f}{added.get('p99', 0.0):>9.3f}"
                 f"{per_chunk if per_chunk is not None else float('nan'):>11.4f}"
                 f"{used if used is not None else float('nan'):>11.0f}"

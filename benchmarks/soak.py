@@ -107,7 +107,9 @@ def _request_plan(index: int, rng: random.Random, disconnect_ratio: float) -> di
     }
 
 
-async def _client_main(base_url: str, num_requests: int, concurrency: int, disconnect_ratio: float, seed: int) -> dict[str, Any]:
+async def _client_main(
+    base_url: str, num_requests: int, concurrency: int, disconnect_ratio: float, seed: int
+) -> dict[str, Any]:
     import httpx
 
     rng = random.Random(seed)
@@ -166,7 +168,9 @@ async def _client_main(base_url: str, num_requests: int, concurrency: int, disco
     }
 
 
-def _run_client(base_url: str, num_requests: int, concurrency: int, ratio: float, seed: int) -> dict[str, Any]:
+def _run_client(
+    base_url: str, num_requests: int, concurrency: int, ratio: float, seed: int
+) -> dict[str, Any]:
     """The load, from a child process; its report as a dict."""
     command = [
         sys.executable,
@@ -279,7 +283,9 @@ def _config(backend: str, ledger: Path, concurrency: int) -> Any:
         models={"soak": ["soak-backend"]},
         limits=LimitsConfig(max_concurrent_requests=max(64, concurrency), max_queued_requests=4096),
     )
-    return msgspec.structs.replace(config, cost=CostConfig(ledger_path=str(ledger), synchronous="normal"))
+    return msgspec.structs.replace(
+        config, cost=CostConfig(ledger_path=str(ledger), synchronous="normal")
+    )
 
 
 def _kv_free(gw: Any) -> dict[str, Any] | None:
@@ -313,7 +319,9 @@ def run_soak(args: argparse.Namespace) -> int:
                 f"{args.disconnect_ratio:.0%} abandoned ...",
                 flush=True,
             )
-            load = _run_client(gw, args.num_requests, args.concurrency, args.disconnect_ratio, args.seed)
+            load = _run_client(
+                gw, args.num_requests, args.concurrency, args.disconnect_ratio, args.seed
+            )
             _wait_idle(gw)
             after = _process_figures(counter)
             admission = gw.state.admission.num_in_flight
@@ -328,7 +336,8 @@ def run_soak(args: argparse.Namespace) -> int:
         "open_fds_back_to_baseline": after["open_fds"] <= before["open_fds"],
         "asyncio_tasks_back_to_baseline": after["asyncio_tasks"] <= before["asyncio_tasks"],
         # Thread pools (asyncio's default executor) grow lazily up to their cap.
-        "threads_bounded": after["threads"] <= before["threads"] + min(32, (os.cpu_count() or 1) + 4),
+        "threads_bounded": after["threads"]
+        <= before["threads"] + min(32, (os.cpu_count() or 1) + 4),
         "rss_growth_under_10_percent": rss_growth < RSS_GROWTH_LIMIT,
         "no_admitted_request_left": admission == 0,
         "no_backend_stream_left": open_streams == 0,
@@ -403,12 +412,16 @@ def main() -> int:
     parser.add_argument("--disconnect-ratio", type=float, default=0.2)
     parser.add_argument("--backend", choices=["mock", "core_engine"], default="mock")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default=None, help="the JSON file (default: benchmarks/results/)")
+    parser.add_argument(
+        "--output", default=None, help="the JSON file (default: benchmarks/results/)"
+    )
     parser.add_argument("--client", metavar="BASE_URL", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client is not None:
         report = asyncio.run(
-            _client_main(args.client, args.num_requests, args.concurrency, args.disconnect_ratio, args.seed)
+            _client_main(
+                args.client, args.num_requests, args.concurrency, args.disconnect_ratio, args.seed
+            )
         )
         print(json.dumps(report))
         return 0
