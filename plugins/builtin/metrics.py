@@ -33,19 +33,22 @@ client cannot grow the label set. OTel instruments: ``gen_ai.server.request.dura
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
-from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from plugins.builtin.genai_names import operation_name, provider_name
+from plugins.builtin.metric_series import (
+    CounterSeries,
+    GaugeSeries,
+    HistogramSeries,
+    SeriesCollector,
+)
 from plugins.builtin.otel_env import build_meter_provider, metrics_export_wanted, shutdown_quietly
 from plugins.hookspecs import hookimpl
 from plugins.request_summary import http_request_id
@@ -115,100 +118,83 @@ class BackendStatsCollector(Collector):
         yield from families.values()
 
 
-class _GapHistogram(Histogram):
-    """A histogram that also takes many observations at once: a request's inter-token gaps
-    (a dozen or more) would otherwise cost one ``observe`` (a lock per bucket and sum)
-    each. Updates the same bucket and sum values ``observe`` does."""
-
-    def observe_many(self, amounts: Sequence[float]) -> None:
-        if not amounts:
-            return
-        self._raise_if_not_observable()
-        # Each amount counts in the first bucket whose bound is >= it (as in observe).
-        counts = collections.Counter(map(partial(bisect_left, self._upper_bounds), amounts))
-        for index, count in counts.items():
-            self._buckets[index].inc(count)
-        self._sum.inc(sum(amounts))
-
-
 class _Prometheus:
-    """The Prometheus instruments of one app."""
+    """The Prometheus series of one app (see :mod:`plugins.builtin.metric_series`)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         mb = ["model", "backend"]
-        self.requests = Counter(
+        self.requests = CounterSeries(
             "infermux_requests",
             "Generation requests, by status (ok, or the error code)",
             [*mb, "status"],
-            registry=registry,
         )
-        self.duration = Histogram(
+        self.duration = HistogramSeries(
             "infermux_request_duration_seconds",
             "End-to-end request latency (until the final bytes)",
             [*mb, "status"],
-            buckets=_DURATION_BUCKETS,
-            registry=registry,
+            _DURATION_BUCKETS,
         )
-        self.ttft = Histogram(
-            "infermux_time_to_first_token_seconds",
-            "Time to first token",
-            mb,
-            buckets=_TTFT_BUCKETS,
-            registry=registry,
+        self.ttft = HistogramSeries(
+            "infermux_time_to_first_token_seconds", "Time to first token", mb, _TTFT_BUCKETS
         )
-        self.tpot = Histogram(
+        self.tpot = HistogramSeries(
             "infermux_time_per_output_token_seconds",
             "Mean time per output token after the first, per choice",
             mb,
-            buckets=_TPOT_BUCKETS,
-            registry=registry,
+            _TPOT_BUCKETS,
         )
-        self.itl = _GapHistogram(
+        self.itl = HistogramSeries(
             "infermux_inter_token_latency_seconds",
             "Time between consecutive output chunks",
             mb,
-            buckets=_TPOT_BUCKETS,
-            registry=registry,
+            _TPOT_BUCKETS,
         )
         self.phases = {
-            phase: Histogram(
+            phase: HistogramSeries(
                 f"infermux_{phase}_time_seconds",
                 f"Engine {phase} time (backends that report phases)",
                 mb,
-                buckets=_TTFT_BUCKETS,
-                registry=registry,
+                _TTFT_BUCKETS,
             )
             for phase in ("queue", "prefill", "decode")
         }
-        self.prompt_tokens = Counter(
-            "infermux_prompt_tokens", "Prompt tokens", mb, registry=registry
+        self.prompt_tokens = CounterSeries("infermux_prompt_tokens", "Prompt tokens", mb)
+        self.completion_tokens = CounterSeries(
+            "infermux_completion_tokens", "Completion tokens", mb
         )
-        self.completion_tokens = Counter(
-            "infermux_completion_tokens", "Completion tokens", mb, registry=registry
+        self.cached_tokens = CounterSeries(
+            "infermux_cached_prompt_tokens", "Prompt tokens served from a prefix cache", mb
         )
-        self.cached_tokens = Counter(
-            "infermux_cached_prompt_tokens",
-            "Prompt tokens served from a prefix cache",
-            mb,
-            registry=registry,
+        self.running = GaugeSeries(
+            "infermux_requests_running", "Choices streaming from a backend", ["model"]
         )
-        self.running = Gauge(
-            "infermux_requests_running",
-            "Choices streaming from a backend",
-            ["model"],
-            registry=registry,
-        )
-        self.waiting = Gauge(
+        self.waiting = GaugeSeries(
             "infermux_requests_waiting",
             "Choices waiting for their first chunk (routing, queue, prefill)",
             ["model"],
-            registry=registry,
         )
-        self.goodput = Counter(
+        self.goodput = CounterSeries(
             "infermux_goodput_requests",
             "Successful requests that met every configured SLO ([telemetry.slo])",
             ["model"],
-            registry=registry,
+        )
+        registry.register(
+            SeriesCollector(
+                [
+                    self.requests,
+                    self.duration,
+                    self.ttft,
+                    self.tpot,
+                    self.itl,
+                    *self.phases.values(),
+                    self.prompt_tokens,
+                    self.completion_tokens,
+                    self.cached_tokens,
+                    self.running,
+                    self.waiting,
+                    self.goodput,
+                ]
+            )
         )
 
 
@@ -262,8 +248,6 @@ class MetricsPlugin:
         self._slo: SloConfig | None = None
         #: request id -> {choice index: "waiting" | "running"}
         self._choices: dict[str, dict[int, str]] = {}
-        #: (metric, label values) -> its child (see :meth:`_child`).
-        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -272,7 +256,6 @@ class MetricsPlugin:
         self, registry: CollectorRegistry, backends: Mapping[str, Backend]
     ) -> None:
         self._prom = _Prometheus(registry)
-        self._children.clear()
         registry.register(BackendStatsCollector(backends))
 
     @hookimpl
@@ -303,23 +286,13 @@ class MetricsPlugin:
             return alias
         return "unknown"
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, remembered: ``labels()`` validates and locks on every
-        call, a dozen times per request. The label sets are bounded (aliases, backends,
-        status codes), so is this cache."""
-        key = (metric, labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
-
     @hookimpl
     def infermux_on_request_start(self, requests: Sequence[GenerationRequest]) -> None:
         if self._prom is None or not requests:
             return
         first = requests[0]
         self._choices[http_request_id(first)] = {r.choice_index: "waiting" for r in requests}
-        self._child(self._prom.waiting, self._model(first.model)).inc(len(requests))
+        self._prom.waiting.add((self._model(first.model),), len(requests))
 
     @hookimpl
     def infermux_on_attempt_end(
@@ -331,9 +304,9 @@ class MetricsPlugin:
         if choices is None or choices.get(request.choice_index) != "waiting":
             return
         choices[request.choice_index] = "running"
-        model = self._model(request.model)
-        self._child(self._prom.waiting, model).dec()
-        self._child(self._prom.running, model).inc()
+        model = (self._model(request.model),)
+        self._prom.waiting.add(model, -1)
+        self._prom.running.add(model, 1)
 
     @hookimpl
     def infermux_on_request_end(self, summary: RequestSummary) -> None:
@@ -354,29 +327,29 @@ class MetricsPlugin:
         prom = self._prom
         if prom is None:
             return
-        child = self._child
         request = summary.request
         model = self._model(request.model)
         for state in self._choices.pop(summary.request_id, {}).values():
-            child(prom.running if state == "running" else prom.waiting, model).dec()
+            (prom.running if state == "running" else prom.waiting).add((model,), -1)
         backend = ",".join(summary.backend_names) or "none"
         status = "ok" if summary.status == "ok" else str(getattr(summary.error, "code", None))
-        child(prom.requests, model, backend, status).inc()
-        child(prom.duration, model, backend, status).observe(summary.duration_s)
+        prom.requests.inc((model, backend, status))
+        prom.duration.observe((model, backend, status), summary.duration_s)
         usage = summary.usage
-        child(prom.prompt_tokens, model, backend).inc(usage.prompt_tokens)
-        child(prom.completion_tokens, model, backend).inc(usage.completion_tokens)
+        prom.prompt_tokens.inc((model, backend), usage.prompt_tokens)
+        prom.completion_tokens.inc((model, backend), usage.completion_tokens)
         if usage.cached_tokens:
-            child(prom.cached_tokens, model, backend).inc(usage.cached_tokens)
+            prom.cached_tokens.inc((model, backend), usage.cached_tokens)
         for choice in summary.choices:
             name = choice.backend_name
             if name is None:
                 continue
+            labels = (model, name)
             if choice.ttft_s is not None:
-                child(prom.ttft, model, name).observe(choice.ttft_s)
+                prom.ttft.observe(labels, choice.ttft_s)
             if choice.tpot_s is not None:
-                child(prom.tpot, model, name).observe(choice.tpot_s)
-            child(prom.itl, model, name).observe_many(choice.inter_token_s)
+                prom.tpot.observe(labels, choice.tpot_s)
+            prom.itl.observe_many(labels, choice.inter_token_s)
             phases = choice.phases
             if phases is not None:
                 for phase, value in (
@@ -385,9 +358,9 @@ class MetricsPlugin:
                     ("decode", phases.decode_s),
                 ):
                     if value is not None:
-                        child(prom.phases[phase], model, name).observe(value)
+                        prom.phases[phase].observe(labels, value)
         if summary.status == "ok" and self._meets_slo(summary):
-            child(prom.goodput, model).inc()
+            prom.goodput.inc((model,))
         if self._otel is not None:
             self._record_otel(self._otel, summary, model)
 

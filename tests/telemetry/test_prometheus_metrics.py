@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.base import BackendConfig
@@ -216,3 +217,53 @@ def test_the_same_measurements_are_otel_metrics_with_genai_names(
         for p in telemetry.metric_points("gen_ai.client.token.usage")
     }
     assert tokens == {"input": usage["prompt_tokens"], "output": usage["completion_tokens"]}
+
+
+def test_the_series_scrape_as_prometheus_client_instruments_would() -> None:
+    """The plugin's plain-number series render the text prometheus_client's own counter,
+    gauge and histogram give for the same updates (bucket edges included)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from plugins.builtin.metric_series import (
+        CounterSeries,
+        GaugeSeries,
+        HistogramSeries,
+        SeriesCollector,
+    )
+
+    bounds = (0.01, 0.1, 1.0)
+    theirs = CollectorRegistry()
+    counter = Counter("x_requests", "Requests", ["model"], registry=theirs)
+    gauge = Gauge("x_running", "Running", ["model"], registry=theirs)
+    histogram = Histogram("x_seconds", "Seconds", ["model"], buckets=bounds, registry=theirs)
+    ours = CollectorRegistry()
+    counter_series = CounterSeries("x_requests", "Requests", ["model"])
+    gauge_series = GaugeSeries("x_running", "Running", ["model"])
+    histogram_series = HistogramSeries("x_seconds", "Seconds", ["model"], bounds)
+    ours.register(SeriesCollector([counter_series, gauge_series, histogram_series]))
+
+    # On a bound, between bounds, above the last, zero; for two label values.
+    amounts = [0.01, 0.05, 0.1, 0.5, 1.0, 7.0, 0.0]
+    for model in ("a", "b"):
+        counter.labels(model).inc(3)
+        counter_series.inc((model,), 3)
+        gauge.labels(model).inc(2)
+        gauge.labels(model).dec()
+        gauge_series.add((model,), 2)
+        gauge_series.add((model,), -1)
+    for amount in amounts:
+        histogram.labels("a").observe(amount)
+        histogram_series.observe(("a",), amount)
+    for amount in amounts[:3]:
+        histogram.labels("b").observe(amount)
+    histogram_series.observe_many(("b",), amounts[:3])
+
+    def text(registry: CollectorRegistry) -> list[str]:
+        lines = generate_latest(registry).decode().splitlines()
+        return sorted(line for line in lines if "_created" not in line)
+
+    assert text(ours) == text(theirs)
+    with pytest.raises(ValueError):
+        counter_series.inc(("a",), -1)
+    with pytest.raises(ValueError):  # the name is taken in that registry
+        Counter("x_requests", "again", registry=ours)

@@ -1,0 +1,142 @@
+"""Prometheus counters, gauges and histograms kept as plain numbers, rendered at scrape time.
+
+``prometheus_client``'s instruments are thread-safe: every ``inc`` or ``observe`` takes a
+lock, a histogram walks its buckets in Python, and ``labels()`` validates its arguments on
+each call. The metrics plugin updates a dozen of them per request, all on the event loop,
+and the scrape (``GET /metrics``) runs on the same loop; so here a series is a dict entry
+updated in place, and :class:`SeriesCollector` turns them into metric families when the
+registry is collected. The text a scrape returns is the same (``_total``, ``_bucket`` with
+cumulative counts and ``le``, ``_sum``, ``_count``), without ``_created`` samples.
+
+Not thread-safe: update and collect from one thread (the event loop).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator, Sequence
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+__all__ = ["CounterSeries", "GaugeSeries", "HistogramSeries", "SeriesCollector"]
+
+Labels = tuple[str, ...]
+
+
+class CounterSeries:
+    """A counter family: label values -> running total."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = list(labelnames)
+        self.values: dict[Labels, float] = {}
+
+    def inc(self, labels: Labels, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        values = self.values
+        values[labels] = values.get(labels, 0.0) + amount
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.values.items():
+            family.add_metric(list(labels), value)
+        return family
+
+
+class GaugeSeries:
+    """A gauge family: label values -> current value."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = list(labelnames)
+        self.values: dict[Labels, float] = {}
+
+    def add(self, labels: Labels, amount: float) -> None:
+        values = self.values
+        values[labels] = values.get(labels, 0.0) + amount
+
+    def family(self) -> Metric:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.values.items():
+            family.add_metric(list(labels), value)
+        return family
+
+
+class HistogramSeries:
+    """A histogram family: label values -> per-bucket counts (not cumulative) and sum."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = list(labelnames)
+        self.bounds = tuple(sorted(float(b) for b in buckets))
+        self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        #: label values -> [count of bucket 0, ..., count above the last bound, sum]
+        self.values: dict[Labels, list[float]] = {}
+
+    def _row(self, labels: Labels) -> list[float]:
+        row = self.values.get(labels)
+        if row is None:
+            row = self.values[labels] = [0.0] * (len(self.bounds) + 2)
+        return row
+
+    def observe(self, labels: Labels, amount: float) -> None:
+        row = self._row(labels)
+        # The first bucket whose bound is >= amount (Prometheus' "le").
+        row[bisect_left(self.bounds, amount)] += 1
+        row[-1] += amount
+
+    def observe_many(self, labels: Labels, amounts: Iterable[float]) -> None:
+        row = None
+        bounds = self.bounds
+        for amount in amounts:
+            if row is None:
+                row = self._row(labels)
+            row[bisect_left(bounds, amount)] += 1
+            row[-1] += amount
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, row in self.values.items():
+            cumulative = 0.0
+            buckets = []
+            for le, count in zip(self._le, row[:-1], strict=True):
+                cumulative += count
+                buckets.append((le, cumulative))
+            family.add_metric(list(labels), buckets, sum_value=row[-1])
+        return family
+
+
+Series = CounterSeries | GaugeSeries | HistogramSeries
+
+
+class SeriesCollector(Collector):
+    """Registers the series' names with a registry and renders them when it is collected."""
+
+    def __init__(self, series: Sequence[Series]) -> None:
+        self._series = list(series)
+
+    def describe(self) -> list[Metric]:
+        # Empty families: the registry reserves the names (a second registration raises).
+        kinds = {CounterSeries: "counter", GaugeSeries: "gauge", HistogramSeries: "histogram"}
+        return [Metric(s.name, s.documentation, kinds[type(s)]) for s in self._series]
+
+    def collect(self) -> Iterator[Metric]:
+        for series in self._series:
+            yield series.family()
