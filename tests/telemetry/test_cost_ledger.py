@@ -142,8 +142,8 @@ def test_writes_from_the_event_loop_are_committed_when_they_return(
     ledger = Ledger(path, synchronous=synchronous)
 
     async def main() -> list[Any]:
-        # Written in one turn of the loop (one transaction in "normal"); one repeated id
-        # fails alone.
+        # Fifty at once ("full": group-committed by the writer thread); a repeated id fails
+        # alone.
         records = [_record(f"r{i}", output_tokens=i) for i in range(50)] + [_record("r7")]
         return await asyncio.gather(
             *(ledger.write(record) for record in records), return_exceptions=True
