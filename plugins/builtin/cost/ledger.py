@@ -5,15 +5,15 @@ gets there depends on ``synchronous``:
 
 * ``normal`` (the default; a commit survives a killed process, not a power cut): a commit
   writes WAL frames to the page cache and never waits for the disk, so :meth:`write`
-  commits on the event loop itself, at once (no group commit: a commit is ~30 µs, and
+  commits on the event loop itself, at once (no group commit: a commit is 30–60 µs, and
   waiting a loop turn to gather others cost a sequential request more than it saved).
   Handing each record to a thread and back cost more than the commit (two thread
   wake-ups, about 0.1 ms of latency, on every request). The fsyncs of a WAL *checkpoint*
   are the disk waits of this mode: the loop's connection never checkpoints
   (``wal_autocheckpoint = 0``); a writer thread does, on its own connection, every
   :data:`_CHECKPOINT_EVERY` records. When another process holds the write lock (a
-  ledger file shared by several gateways) the loop does not wait: the batch goes to the
-  writer thread, which waits for the lock.
+  ledger file shared by several gateways, or the thread's own checkpoint) the loop does
+  not wait: the record goes to the writer thread, which waits for the lock.
 * ``full`` (also survives a power cut): every commit fsyncs, so every record goes through
   the writer thread's queue; it commits everything queued in one transaction and one fsync,
   then resolves the futures (those of one event loop with one call into it).
