@@ -109,8 +109,8 @@ class CostConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     #: (relative paths are relative to the working directory).
     ledger_path: str | None = None
     #: "normal": a record survives a crash of the gateway (kill -9, OOM) once its response
-    #: completed, and a commit costs microseconds; "full": it also survives a power cut or
-    #: a kernel crash, for one fsync per group commit (milliseconds on many disks).
+    #: completed, and a commit costs tens of microseconds; "full": it also survives a power
+    #: cut or a kernel crash, for one fsync per group commit (milliseconds on many disks).
     synchronous: Literal["full", "normal"] = "normal"
     currency: str = "USD"
     prices: list[PriceConfig] = []
