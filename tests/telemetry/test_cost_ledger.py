@@ -213,6 +213,29 @@ def test_the_wal_starts_over_while_requests_keep_coming(tmp_path: Path) -> None:
     ledger.close()
 
 
+def test_a_usage_report_in_progress_does_not_hold_up_the_records(tmp_path: Path) -> None:
+    """A reader with an open snapshot (a long ``GET /v1/usage``) keeps the WAL from starting
+    over; the checkpoint must then give up, not hold the write lock for its 10 s busy wait."""
+    path = tmp_path / "ledger.sqlite3"
+    ledger = Ledger(path)
+    reader = sqlite3.connect(path, isolation_level=None)
+
+    async def main() -> None:
+        await ledger.write(_record("before"))
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM usage_records").fetchone()
+        for i in range(450):  # two checkpoints' worth, with the snapshot held throughout
+            await ledger.write(_record(f"r{i}"))
+            await asyncio.sleep(0.001)  # let the writer thread run its checkpoint
+
+    # A guard against the stall (normally ~1 s; one blocked checkpoint alone is 10 s).
+    asyncio.run(asyncio.wait_for(main(), timeout=8))
+    reader.execute("COMMIT")
+    reader.close()
+    assert len(ledger_rows(path)) == 451
+    ledger.close()
+
+
 def ledger_rows(path: Path) -> dict[str, dict[str, Any]]:
     with sqlite3.connect(path) as connection:
         connection.row_factory = sqlite3.Row

@@ -84,6 +84,10 @@ _MAX_BATCH = 512
 _CHECKPOINT_EVERY = 200
 #: Put on the writer thread's queue: checkpoint the WAL.
 _CHECKPOINT = "checkpoint"
+#: How long the writer thread waits for a lock (another process writing) before a commit fails.
+_BUSY_TIMEOUT_MS = 10_000
+#: How long the second pass of a checkpoint waits for readers (see ``Ledger._checkpoint``).
+_RESTART_WAIT_MS = 20
 
 
 class LedgerError(Exception):
@@ -246,13 +250,25 @@ class Ledger:
             self._connection.close()
 
     def _checkpoint(self) -> None:
-        """Copy the WAL into the database file, then start the WAL over. The first pass
-        lets the loop go on committing; the second (the frames added meanwhile) makes its
-        commits wait, and they come to this thread. Without it a WAL written to without
-        pause would never start over, and grow."""
+        """Copy the WAL into the database file, then start the WAL over.
+
+        The first pass lets the loop go on committing. The second (the frames added
+        meanwhile) holds the write lock, so the loop's commits come to this thread until it
+        is done; without it a WAL written to without pause would never start over, and
+        grow. It also waits for readers still on the WAL (a usage report in progress): at
+        most :data:`_RESTART_WAIT_MS`, then it gives up until the next checkpoint, so a
+        long report never holds up the requests' records.
+        """
+        connection = self._connection
         try:
-            self._connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
-            self._connection.execute("PRAGMA wal_checkpoint(RESTART)")
+            _, frames, copied = connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            if copied < frames:
+                return  # a reader still needs the WAL: starting over would wait for it
+            connection.execute(f"PRAGMA busy_timeout = {_RESTART_WAIT_MS}")
+            try:
+                connection.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+            finally:
+                connection.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
         except sqlite3.Error as exc:  # SQLite checkpoints again later; nothing is lost
             logger.warning("usage ledger: checkpoint failed: %s", exc)
 
@@ -335,7 +351,7 @@ def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
     connection = sqlite3.connect(
         path, timeout=10.0, isolation_level="DEFERRED", check_same_thread=False
     )
-    connection.execute("PRAGMA busy_timeout = 10000")
+    connection.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
     if create:
         mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
