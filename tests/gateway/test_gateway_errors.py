@@ -215,3 +215,24 @@ def test_backend_errors_carry_status_and_retry_after(live_gateway: Any) -> None:
         error = envelope(error_response, 429)
         assert error["code"] == "rate_limit_exceeded"
         assert error_response.headers["retry-after"] == "7"
+
+
+def test_request_ids_are_fresh_and_ordered_by_time(http: httpx.Client) -> None:
+    """32 hex digits, a new one per request whatever the client sends, later ones sorting
+    after earlier ones (the usage ledger's index on them then grows at one end)."""
+    import re
+    import time
+
+    ids = []
+    for _ in range(3):
+        answer = http.post(
+            "/v1/chat/completions",
+            json={"model": "echo", "messages": MESSAGES},
+            headers={"x-request-id": "client-chosen"},
+        )
+        assert answer.status_code == 200, answer.text
+        ids.append(answer.headers["x-request-id"])
+        time.sleep(0.002)  # the leading digits count milliseconds
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    assert len(set(ids)) == 3
+    assert ids == sorted(ids)
