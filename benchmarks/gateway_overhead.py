@@ -484,31 +484,20 @@ def main(argv: list[str] | None = None) -> int:
 
         meter = _CpuMeter(pids)
         results: dict[str, Any] = {}
+
+        def sequential(stream: bool, label: str) -> Callable[[], tuple[Samples, int]]:
+            return lambda: _sequential(
+                urls,
+                requests=args.requests,
+                block=args.block,
+                stream=stream,
+                chunks=args.chunks,
+                label=label,
+            )
+
         for scenario, run, chunks in (
-            (
-                "sequential",
-                lambda: _sequential(
-                    urls,
-                    requests=args.requests,
-                    block=args.block,
-                    stream=False,
-                    chunks=args.chunks,
-                    label="sequential",
-                ),
-                None,
-            ),
-            (
-                "sequential_stream",
-                lambda: _sequential(
-                    urls,
-                    requests=args.requests,
-                    block=args.block,
-                    stream=True,
-                    chunks=args.chunks,
-                    label="streaming",
-                ),
-                args.chunks,
-            ),
+            ("sequential", sequential(False, "sequential"), None),
+            ("sequential_stream", sequential(True, "streaming"), args.chunks),
             (
                 f"concurrent_{args.concurrency}",
                 lambda: _concurrent(

@@ -28,28 +28,18 @@ from litestar.types import HTTPScope, Receive, Scope, Send
 from backends.errors import GenerationAbortedError, InvalidRequestError, RequestTooLargeError
 from gateway.auth import authorize
 from gateway.body_check import check_raw_body
-from gateway.config import LimitsConfig, ServerConfig
+from gateway.config import ServerConfig
 from gateway.errors import MethodNotAllowedError, invalid_body_error
 from gateway.generation_response import BACKEND_HEADER, Generation, respond
-from gateway.request_conversion import header_labels
+from gateway.request_conversion import RequestContext, header_labels
 from gateway.request_id import request_id_in
 from gateway.state import GatewayState
 
-__all__ = ["GenerationEndpoint", "RequestContext", "generation_handlers"]
+__all__ = ["GenerationEndpoint", "generation_handlers"]
 
 BodyT = TypeVar("BodyT", bound=msgspec.Struct)
 
 _ALLOW = [(b"allow", b"OPTIONS, POST")]
-
-
-class RequestContext(msgspec.Struct, frozen=True, kw_only=True):
-    """What a generation endpoint's ``prepare`` needs besides the decoded body."""
-
-    request_id: str
-    limits: LimitsConfig
-    traceparent: str | None
-    #: The allow-listed request headers (``[plugins] request_headers``).
-    labels: dict[str, str]
 
 
 class GenerationEndpoint(Generic[BodyT]):

@@ -21,10 +21,12 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = [
     "SMUGGLING_FIELDS",
+    "RequestContext",
     "check_smuggled_fields",
     "chat_generation_requests",
     "completion_generation_requests",
     "header_labels",
+    "usage_chunk_wanted",
 ]
 
 #: Fields that would let a request redirect the gateway or reprogram the model's template.
@@ -73,15 +75,26 @@ def header_labels(headers: Mapping[str, str], names: Sequence[str]) -> dict[str,
     return labels
 
 
+class RequestContext(msgspec.Struct, frozen=True, kw_only=True):
+    """What turning a generation body into backend requests needs besides the body."""
+
+    request_id: str
+    limits: LimitsConfig
+    traceparent: str | None = None
+    #: The allow-listed request headers (``[plugins] request_headers``).
+    labels: dict[str, str] = {}
+
+
+def usage_chunk_wanted(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """``stream_options.include_usage`` on a streamed request: usage in a final chunk."""
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
 def chat_generation_requests(
-    body: ChatCompletionRequest,
-    *,
-    request_id: str,
-    limits: LimitsConfig,
-    traceparent: str | None = None,
-    labels: Mapping[str, str] | None = None,
+    body: ChatCompletionRequest, context: RequestContext
 ) -> list[GenerationRequest]:
     """One request per choice of a chat completion."""
+    request_id, limits = context.request_id, context.limits
     _check_model(body.model)
     if body.tools:
         raise UnsupportedParameterError("tools are not supported by infermux yet", param="tools")
@@ -121,21 +134,17 @@ def chat_generation_requests(
         stream=bool(body.stream),
         user=body.user,
         response_format=checked_response_format(body.response_format, limits),
-        traceparent=traceparent,
-        labels=dict(labels or {}),
+        traceparent=context.traceparent,
+        labels=dict(context.labels),
     )
     return _fan_out([template], n, request_id)
 
 
 def completion_generation_requests(
-    body: CompletionRequest,
-    *,
-    request_id: str,
-    limits: LimitsConfig,
-    traceparent: str | None = None,
-    labels: Mapping[str, str] | None = None,
+    body: CompletionRequest, context: RequestContext
 ) -> list[GenerationRequest]:
     """One request per (prompt, choice) of a text completion."""
+    request_id, limits = context.request_id, context.limits
     _check_model(body.model)
     if body.suffix is not None:
         raise UnsupportedParameterError("suffix is not supported", param="suffix")
@@ -170,8 +179,8 @@ def completion_generation_requests(
             params=params,
             stream=bool(body.stream),
             user=body.user,
-            traceparent=traceparent,
-            labels=dict(labels or {}),
+            traceparent=context.traceparent,
+            labels=dict(context.labels),
         )
         for prompt in prompts
     ]

@@ -462,14 +462,11 @@ class RoutedStream:
             raise StopAsyncIteration
         idle_deadline = self._watch(asyncio.current_task(self._loop))
         waiter = self._waiter
-        timed_out = False
         try:
             try:
                 return await anext(self._stream)
             finally:
-                self._waiter = None
-                if self._expired is not None:
-                    timed_out = self._timed_out(waiter)
+                timed_out = self._wait_ended(waiter)
         except (Exception, asyncio.CancelledError) as exc:
             await self._end_with(exc, timed_out, idle_deadline)
 
@@ -490,16 +487,13 @@ class RoutedStream:
             return
         waiter = asyncio.current_task(self._loop)
         idle_deadline = self._watch(waiter)
-        timed_out = False
         try:
             try:
                 async for chunk in self._stream:
                     take(chunk)
                     idle_deadline = self._watch(waiter)
             finally:
-                self._waiter = None
-                if self._expired is not None:
-                    timed_out = self._timed_out(waiter)
+                timed_out = self._wait_ended(waiter)
         except (Exception, asyncio.CancelledError) as exc:
             await self._end_with(exc, timed_out, idle_deadline)
         self._finish(None)
@@ -540,6 +534,12 @@ class RoutedStream:
         error = BackendError(f"backend {self.backend_name!r} failed: {exc}")
         self._finish(error)
         raise error from exc
+
+    def _wait_ended(self, task: asyncio.Task[Any] | None) -> bool:
+        """The wait of ``task`` ended (a chunk, the end, an error): stop watching it; True
+        when it ended because the timer cancelled it."""
+        self._waiter = None
+        return self._expired is not None and self._timed_out(task)
 
     def _timed_out(self, task: asyncio.Task[Any] | None) -> bool:
         """After the timer cancelled a wait: True when the wait of ``task`` just ended

@@ -5,22 +5,16 @@ from __future__ import annotations
 import time
 
 from gateway.chat_output import ChatOutput
-from gateway.generation_endpoint import GenerationEndpoint, RequestContext
+from gateway.generation_endpoint import GenerationEndpoint
 from gateway.generation_response import Generation
-from gateway.request_conversion import chat_generation_requests
+from gateway.request_conversion import RequestContext, chat_generation_requests, usage_chunk_wanted
 from gateway.schemas import ChatCompletion, ChatCompletionRequest
 
 __all__ = ["CHAT_COMPLETIONS"]
 
 
 def _prepare(data: ChatCompletionRequest, context: RequestContext) -> Generation:
-    requests = chat_generation_requests(
-        data,
-        request_id=context.request_id,
-        limits=context.limits,
-        traceparent=context.traceparent,
-        labels=context.labels,
-    )
+    requests = chat_generation_requests(data, context)
     stream = bool(data.stream)
     output = ChatOutput(
         response_id=f"chatcmpl-{context.request_id}",
@@ -29,7 +23,7 @@ def _prepare(data: ChatCompletionRequest, context: RequestContext) -> Generation
         num_choices=len(requests),
         logprobs=bool(data.logprobs),
         top_logprobs=data.top_logprobs or 0,
-        include_usage=bool(stream and data.stream_options and data.stream_options.include_usage),
+        include_usage=usage_chunk_wanted(data),
     )
     return Generation(requests, output, data.n or 1, stream)
 

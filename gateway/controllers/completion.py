@@ -6,22 +6,20 @@ from __future__ import annotations
 import time
 
 from gateway.completion_output import CompletionOutput
-from gateway.generation_endpoint import GenerationEndpoint, RequestContext
+from gateway.generation_endpoint import GenerationEndpoint
 from gateway.generation_response import Generation
-from gateway.request_conversion import completion_generation_requests
+from gateway.request_conversion import (
+    RequestContext,
+    completion_generation_requests,
+    usage_chunk_wanted,
+)
 from gateway.schemas import Completion, CompletionRequest
 
 __all__ = ["COMPLETIONS"]
 
 
 def _prepare(data: CompletionRequest, context: RequestContext) -> Generation:
-    requests = completion_generation_requests(
-        data,
-        request_id=context.request_id,
-        limits=context.limits,
-        traceparent=context.traceparent,
-        labels=context.labels,
-    )
+    requests = completion_generation_requests(data, context)
     stream = bool(data.stream)
     output = CompletionOutput(
         response_id=f"cmpl-{context.request_id}",
@@ -29,7 +27,7 @@ def _prepare(data: CompletionRequest, context: RequestContext) -> Generation:
         model=data.model,
         num_choices=len(requests),
         logprobs=data.logprobs,
-        include_usage=bool(stream and data.stream_options and data.stream_options.include_usage),
+        include_usage=usage_chunk_wanted(data),
     )
     return Generation(requests, output, data.n or 1, stream)
 

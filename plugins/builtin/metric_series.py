@@ -14,7 +14,7 @@ Not thread-safe: update and collect from one thread (the event loop).
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -102,12 +102,12 @@ class HistogramSeries:
         row[bisect_left(self.bounds, amount)] += 1
         row[-1] += amount
 
-    def observe_many(self, labels: Labels, amounts: Iterable[float]) -> None:
-        row = None
+    def observe_many(self, labels: Labels, amounts: Sequence[float]) -> None:
+        if not amounts:
+            return  # no series for label values that never saw an observation
+        row = self._row(labels)
         bounds = self.bounds
         for amount in amounts:
-            if row is None:
-                row = self._row(labels)
             row[bisect_left(bounds, amount)] += 1
             row[-1] += amount
 
