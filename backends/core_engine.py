@@ -34,6 +34,7 @@ from backends.base import (
 )
 from backends.base import SamplingParams as WireParams
 from backends.errors import (
+    BackendConfigError,
     BackendError,
     BackendUnavailableError,
     ContextLengthExceededError,
@@ -121,7 +122,7 @@ class CoreEngineBackend:
             except FileNotFoundError as exc:
                 raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
         if not path.is_file():
-            raise BackendUnavailableError(
+            raise BackendConfigError(
                 f"backend {self.name!r}: model file not found: {path} (backends.{self.name}.options.model_path)"
             )
         self._model_path = path
@@ -152,7 +153,9 @@ class CoreEngineBackend:
                 seed=o.seed,
             )
             llm = AsyncLLM.from_config(config)
-        except (ValueError, OSError, RuntimeError) as exc:
+        except ValueError as exc:  # options this machine or file cannot run (weight_format...)
+            raise BackendConfigError(f"backend {self.name!r}: cannot load {path}: {exc}") from exc
+        except (OSError, RuntimeError) as exc:
             raise BackendUnavailableError(f"backend {self.name!r}: could not load {path}: {exc}") from exc
         tokenizer = llm.engine.tokenizer
         self._bos_text = self._special_text(tokenizer, tokenizer.bos_token_id)

@@ -22,6 +22,7 @@ Adapters translate their library's exceptions into this tree at their boundary
     ├── ServerOverloadedError              503 server_is_overloaded
     └── BackendError                       502 backend_error          (upstream trouble)
         ├── BackendUnavailableError        503 backend_unavailable    (retryable)
+        │   └── BackendConfigError         503 backend_misconfigured  (cannot start as configured)
         ├── UpstreamRateLimitError         429 rate_limit_exceeded    (retryable on another)
         ├── UpstreamStatusError            502 upstream_error         (5xx: retryable)
         ├── UpstreamTimeoutError           504 upstream_timeout       (retryable)
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 __all__ = [
     "AuthenticationError",
+    "BackendConfigError",
     "BackendError",
     "BackendUnavailableError",
     "BudgetExceededError",
@@ -176,6 +178,14 @@ class BackendUnavailableError(BackendError):
     status_code = 503
     code = "backend_unavailable"
     retryable = True
+
+
+class BackendConfigError(BackendUnavailableError):
+    """The backend cannot start as configured (a missing model file, options this machine
+    cannot run). ``infermux serve`` exits at start-up on it unless the backend is ``optional``.
+    """
+
+    code = "backend_misconfigured"
 
 
 class UpstreamRateLimitError(BackendError):

@@ -111,6 +111,16 @@ class MockBackend:
         """Nothing to load."""
         self._started = True
 
+    def stats(self) -> dict[str, float]:
+        """The counters, as ``/metrics`` and a worker process's supervisor read them."""
+        return {
+            "num_started": float(self.num_started),
+            "num_finished": float(self.num_finished),
+            "num_aborted": float(self.num_aborted),
+            "num_failed": float(self.num_failed),
+            "num_running": float(self.num_active),
+        }
+
     def model_info(self) -> ModelInfo:
         """The mock's id and configured context length."""
         return ModelInfo(

@@ -139,7 +139,22 @@ def _construct(index: int, backend_config: BackendConfig, factory: object) -> Ba
         if not message.startswith("backends"):
             message = f"backends[{index}].options: {message}"
         raise ConfigError(message, key=f"backends[{index}].options") from exc
-    return backend
+    resolve = getattr(factory, "resolve", None)  # a lazily imported kind: its real factory
+    if callable(resolve):
+        factory = resolve()
+    in_worker = backend_config.worker_process
+    if in_worker is None:
+        in_worker = bool(getattr(factory, "worker_process_default", False))
+    if not in_worker:
+        return backend
+    from backends.worker import WorkerBackend
+
+    try:
+        return WorkerBackend(backend_config, factory, backend)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ConfigError(
+            f"backends[{index}].worker_process: {exc}", key=f"backends[{index}].worker_process"
+        ) from exc
 
 
 def _version() -> str:

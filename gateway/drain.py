@@ -49,6 +49,8 @@ class DrainingServer(uvicorn.Server):
         self.cleanup_timeout_s = cleanup_timeout_s
         self._drain_started: float | None = None
         self._cancelled_at: float | None = None
+        #: Non-zero when the gateway stopped because it cannot start as configured.
+        self.exit_code = 0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_started is None and not self.should_exit:
@@ -70,6 +72,10 @@ class DrainingServer(uvicorn.Server):
             captured.clear()
 
     async def on_tick(self, counter: int) -> bool:
+        if self._gateway.startup_error is not None and not self.should_exit:
+            # A backend cannot start as configured (logged by the loader): exit non-zero.
+            self.exit_code = 2
+            self.should_exit = True
         if self._drain_started is not None and not self.should_exit:
             self._advance_drain()
         return await super().on_tick(counter)

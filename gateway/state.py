@@ -24,7 +24,8 @@ from backends.base import (
     HealthStatus,
     ModelInfo,
 )
-from backends.errors import BackendUnavailableError, ServerOverloadedError
+from backends.errors import BackendConfigError, BackendUnavailableError, ServerOverloadedError
+from backends.worker import WorkerBackend
 from gateway.auth import KeyStore
 from gateway.config import InfermuxConfig
 from gateway.rate_limit import Admission
@@ -98,6 +99,9 @@ class GatewayState:
         self.router: ModelRouter | None = None
         #: Set when loading ended with no router (the reason is logged and shown by /ready).
         self.load_error: str | None = None
+        #: Set when a backend that is not ``optional`` cannot start as configured
+        #: (``BackendConfigError``): ``infermux serve`` exits non-zero on it.
+        self.startup_error: str | None = None
         #: Set on SIGTERM: /ready turns 503 and new generation requests are refused.
         self.draining = False
         #: API keys (gateway/auth.py) and admission: per-key limits, global concurrency.
@@ -111,8 +115,27 @@ class GatewayState:
 
     @property
     def is_ready(self) -> bool:
-        """Routing works and the process is not shutting down."""
-        return self.router is not None and not self.draining
+        """Routing works, every model has a started backend, and the process is not shutting down."""
+        return self.router is not None and not self.draining and not self.models_without_backend()
+
+    def backend_state(self, name: str) -> str:
+        """"ready", "loading", "failed: <why>", or why a started worker is not up now."""
+        status = self.backend_status.get(name, "loading")
+        backend = self.backends.get(name)
+        if status == "ready" and isinstance(backend, WorkerBackend) and backend.state != "up":
+            return f"{backend.state}: {backend.health_detail}"
+        return status
+
+    def models_without_backend(self) -> dict[str, str]:
+        """Alias -> why none of its backends can serve now, for each alias in that state."""
+        missing: dict[str, str] = {}
+        for model in self.config.models:
+            states = {name: self.backend_state(name) for name in model.backends}
+            if not any(state == "ready" for state in states.values()):
+                missing[model.alias] = "no started backend: " + "; ".join(
+                    f"{name} {state}" for name, state in states.items()
+                )
+        return missing
 
     def require_router(self) -> ModelRouter:
         """The router, or a 503 while loading / draining."""
@@ -152,6 +175,12 @@ class GatewayState:
                 reason = f"{type(exc).__name__}: {exc}"
                 logger.error("backend %r failed to start: %s", name, reason)
                 self.backend_status[name] = f"failed: {reason}"
+                config = self.backend_configs.get(name)
+                if isinstance(exc, BackendConfigError) and not (config and config.optional):
+                    self.startup_error = self.startup_error or (
+                        f"backend {name!r} cannot start as configured: {exc} (mark it "
+                        f"`optional = true` to serve without it)"
+                    )
                 self.backends[name] = FailedBackend(name, backend.kind, reason)
                 await _close_quietly(backend)
                 continue
@@ -172,8 +201,14 @@ class GatewayState:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.exception("building the router failed")
             return
-        aliases = ", ".join(m.alias for m in self.config.models) or "(none)"
-        logger.info("infermux ready: models %s", aliases)
+        if self.startup_error is not None:
+            logger.error("infermux cannot start: %s", self.startup_error)
+            return
+        for alias, why in self.models_without_backend().items():
+            logger.error("model %r cannot be served: %s", alias, why)
+        if self.is_ready:
+            aliases = ", ".join(m.alias for m in self.config.models) or "(none)"
+            logger.info("infermux ready: models %s", aliases)
 
     async def shutdown(self) -> None:
         """Stop loading, close every backend, tell plugins."""

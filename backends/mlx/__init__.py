@@ -66,3 +66,7 @@ def create_backend(config: BackendConfig) -> MLXBackend:
     from backends.mlx.backend import MLXBackend
 
     return MLXBackend(config)
+
+
+#: MLX runs in a supervised worker process unless ``worker_process = false`` (backends/worker).
+create_backend.worker_process_default = True  # type: ignore[attr-defined]

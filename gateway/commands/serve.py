@@ -112,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
         ", ".join(m.alias for m in config.models) or "none",
     )
     server.run()
+    if server.exit_code:
+        print(f"infermux: {app.state.gateway.startup_error}", file=sys.stderr)
+        return server.exit_code
     return 0 if server.started else 1
 
 

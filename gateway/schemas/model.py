@@ -30,10 +30,15 @@ class HealthResponse(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ReadinessResponse(msgspec.Struct, frozen=True, kw_only=True):
-    """``GET /ready``: "ready" (200), or "loading" / "draining" / "failed" (503)."""
+    """``GET /ready``: "ready" (200), or "loading" / "draining" / "failed" / "unavailable"
+    (a model has no started backend) (503)."""
 
     status: str
-    #: Backend name -> "ready" | "loading" | "failed: <why>".
+    #: Backend name -> "ready" | "loading" | "failed: <why>" | "restarting: <why>" (a worker).
     backends: dict[str, str]
     #: Backend name -> circuit state ("closed" | "open" | "half_open"), once routing runs.
     circuits: dict[str, str] = {}
+    #: Alias -> why it cannot be served now ("no started backend: ..."), for each such alias.
+    models: dict[str, str] = {}
+    #: Why infermux failed to start, when it did.
+    error: str | None = None

@@ -45,6 +45,13 @@ class LazyBackendFactory:
         create_backend: Callable[[BackendConfig], Backend] = module.create_backend
         return create_backend(config)
 
+    def resolve(self) -> Callable[[BackendConfig], Backend]:
+        """The kind's own ``create_backend`` (what a worker process imports by name)."""
+        create_backend: Callable[[BackendConfig], Backend] = importlib.import_module(
+            self.module_name
+        ).create_backend
+        return create_backend
+
     def __repr__(self) -> str:
         return f"LazyBackendFactory({self.kind!r}, {self.module_name!r})"
 

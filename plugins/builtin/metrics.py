@@ -39,7 +39,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from plugins.builtin.genai_names import operation_name, provider_name
@@ -83,6 +83,17 @@ _STATS = {
         "infermux_backend_prefix_cache_hit_rate",
         "Fraction of prompt tokens served from the engine's prefix cache (0..1)",
     ),
+    "worker_up": (
+        "infermux_backend_worker_up",
+        "1 while the backend's worker process is up, 0 while it is down or restarting",
+    ),
+}
+#: backend.stats() key -> (counter name without _total, help).
+_COUNTER_STATS = {
+    "worker_restarts": (
+        "infermux_backend_worker_restarts",
+        "Times the backend's worker process was started again after it died",
+    ),
 }
 
 
@@ -95,10 +106,14 @@ class BackendStatsCollector(Collector):
     def describe(self) -> list[Any]:
         return []  # names depend on the backends; nothing to reserve
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        families = {
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             key: GaugeMetricFamily(name, doc, labels=["backend"])
             for key, (name, doc) in _STATS.items()
+        }
+        families |= {
+            key: CounterMetricFamily(name, doc, labels=["backend"])
+            for key, (name, doc) in _COUNTER_STATS.items()
         }
         for name, backend in list(self._backends.items()):
             stats_of = getattr(backend, "stats", None)

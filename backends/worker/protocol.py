@@ -1,0 +1,132 @@
+"""The messages between the gateway and a backend's worker process (msgpack over ZeroMQ).
+
+Every frame is a list of messages, so that the tokens of many sequences produced in one
+loop turn cross in one send. Errors cross as :class:`WireError` and are raised again on the
+gateway side as the same class of :mod:`backends.errors`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from backends import errors
+from backends.base import BackendConfig, Capabilities, GenerationChunk, GenerationRequest, ModelInfo
+
+__all__ = [
+    "Cancel",
+    "Chunks",
+    "Failed",
+    "Finished",
+    "Generate",
+    "Message",
+    "Start",
+    "StartFailed",
+    "Started",
+    "Stats",
+    "Stop",
+    "WireError",
+    "decode_frame",
+    "encode_frame",
+    "from_wire",
+    "to_wire",
+]
+
+
+class WireError(msgspec.Struct, frozen=True, kw_only=True):
+    """An :class:`~backends.errors.InfermuxError` as data: its class name and fields."""
+
+    kind: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+    retry_after: float | None = None
+
+
+# -- gateway -> worker ------------------------------------------------------------------------
+
+
+class Start(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Build the backend with ``factory`` (``module:attribute``) and start it."""
+
+    config: BackendConfig
+    factory: str
+
+
+class Generate(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    id: int
+    request: GenerationRequest
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    id: int
+
+
+class Stop(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Close the backend and exit."""
+
+
+# -- worker -> gateway ------------------------------------------------------------------------
+
+
+class Started(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    pid: int
+    capabilities: Capabilities
+    model_info: ModelInfo
+
+
+class StartFailed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    error: WireError
+
+
+class Chunks(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    id: int
+    chunks: list[GenerationChunk]
+
+
+class Finished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    id: int
+
+
+class Failed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    id: int
+    error: WireError
+
+
+class Stats(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The backend's ``stats()`` and counters (sent when they change, at most every 100 ms)."""
+
+    values: dict[str, float]
+
+
+Message = Start | Generate | Cancel | Stop | Started | StartFailed | Chunks | Finished | Failed | Stats
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(list[Message])
+
+
+def encode_frame(messages: list[Any]) -> bytes:
+    return _encoder.encode(messages)
+
+
+def decode_frame(frame: bytes) -> list[Message]:
+    return _decoder.decode(frame)
+
+
+def to_wire(exc: errors.InfermuxError) -> WireError:
+    return WireError(
+        kind=type(exc).__name__,
+        message=exc.message,
+        param=exc.param,
+        code=exc.code,
+        retry_after=exc.retry_after,
+    )
+
+
+def from_wire(wire: WireError) -> errors.InfermuxError:
+    """The error again, as its own class when :mod:`backends.errors` has it."""
+    cls = getattr(errors, wire.kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.InfermuxError)):
+        cls = errors.BackendError
+    return cls(wire.message, param=wire.param, code=wire.code, retry_after=wire.retry_after)
