@@ -1,129 +1,165 @@
-"""The blocking half of the llama.cpp backend: prompt preparation and the token loop.
+"""The blocking half of the llama.cpp backend: one worker thread batching every sequence.
 
-Everything here runs on the backend's one worker thread (a llama.cpp context is not
-thread-safe). Sampling uses llama.cpp's own sampler chain; logprobs are computed from the
-raw logits of the position being sampled, so they describe the model's distribution before
-temperature and truncation, as OpenAI's and vLLM's do.
+A llama.cpp context is not thread-safe, so one dedicated thread owns it and runs a
+continuous-batching loop, as ``llama-server -np N`` does. The context has ``parallel`` slots
+(sequence ids) sharing one unified KV cache of ``parallel * n_ctx`` cells. Each step:
+
+1. **admit**: queued jobs take free slots, FIFO; each prompt goes to the free slot whose
+   cached tokens share the longest prefix with it (:mod:`backends._llamacpp_slot`), the
+   slot's KV past that prefix is removed, and the reused length is ``cached_tokens``;
+2. **schedule**: one ``llama_batch`` gets one token for every sequence that is generating,
+   then prompt chunks of the sequences still reading their prompt (chunked prefill, oldest
+   first), at most ``n_batch`` tokens in all;
+3. **decode** that batch with one ``llama_decode``;
+4. **sample** every sequence whose last prompt token or last generated token was in the
+   batch, with its own sampler chain from its own logits row (``llama_sampler_sample(chain,
+   ctx, row)``); :class:`~backends._llamacpp_sequence.Sequence` turns the token into output.
+
+A sequence ends when it finishes, and at the next step when it was cancelled (its reader
+closed the stream) or passed its deadline (``UpstreamTimeoutError``); its slot keeps the KV
+of the tokens it evaluated, for the next prompt that starts the same way. A failed
+``llama_decode`` ends the sequences of that batch with ``BackendError`` and drops their KV;
+the others go on. Logprobs come from the raw logits row of the sampled position (the
+model's distribution before temperature and truncation, as OpenAI's and vLLM's do);
+completions ``echo`` with logprobs asks a logits row at every prompt position of that
+sequence alone (and so reuses no cached prefix). Chunks travel to the event loop through
+:class:`~backends._thread_job.ThreadJob`.
 """
 
 from __future__ import annotations
 
-import codecs
+import collections
+import logging
+import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import llama_cpp
 
-from backends._llamacpp_sampling import (
-    build_sampler,
-    last_logits,
-    logprob_entry,
-    prompt_logprobs,
-)
-from backends._stop import StopBuffer
-from backends.base import (
-    EnginePhases,
-    FinishReason,
-    GenerationChunk,
-    GenerationRequest,
-    TokenLogprob,
-    Usage,
-)
+from backends._llamacpp_batch import TokenBatch
+from backends._llamacpp_model import LlamaModel
+from backends._llamacpp_sampling import build_sampler, log_softmax, logits_row
+from backends._llamacpp_sequence import Sequence, wants_prompt_logprobs
+from backends._llamacpp_slot import Slot, SlotPool
+from backends._thread_job import ThreadJob
+from backends.base import GenerationChunk, GenerationRequest
 from backends.errors import (
     BackendError,
+    BackendUnavailableError,
     ContextLengthExceededError,
-    InvalidRequestError,
+    GenerationAbortedError,
+    InfermuxError,
     UpstreamTimeoutError,
 )
-from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
 
 __all__ = ["LlamaRunner"]
 
-#: A produced token: its id and, when asked for, its logprob entry.
-_Token = tuple[int, TokenLogprob | None]
+logger = logging.getLogger(__name__)
+
+#: A sequence's part of one step: (sequence, its first batch row, how many rows).
+_Scheduled = tuple[Sequence, int, int]
 
 
 class LlamaRunner:
-    """Prepares prompts and runs generations on llama.cpp contexts of one model.
+    """One llama.cpp context serving up to ``parallel`` sequences at once; see the module.
 
-    ``llm`` is the serving context (last-position logits only). ``make_echo_llm`` builds, on
-    first use, a second context with ``logits_all=True`` for completions ``echo`` with
-    logprobs: keeping every position's logits costs an extra LM-head pass per prompt token
-    and an ``n_ctx x n_vocab`` score buffer, which ordinary requests should not pay.
+    ``submit`` and ``stop`` may be called from any thread; everything else of the context
+    happens on the runner's own worker thread. ``RuntimeError`` when the context cannot be
+    created.
     """
 
-    def __init__(self, llm: Any, *, make_echo_llm: Callable[[], Any], default_seed: int | None):
-        self.llm = llm
-        self._make_echo_llm = make_echo_llm
-        self._echo_llm: Any | None = None
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        name: str,
+        n_ctx: int,
+        parallel: int,
+        n_batch: int,
+        n_threads: int,
+        n_threads_batch: int,
+        default_seed: int | None,
+    ) -> None:
+        self.model = model
+        self.name = name
+        #: Context length of one sequence (prompt plus output).
+        self.n_ctx = n_ctx
+        self.parallel = parallel
+        self.template_source = model.template_source
+        # A step carries one token of every generating sequence: they must all fit.
+        n_batch = max(n_batch, parallel)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx * parallel
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch  # one compute pass per step
+        params.n_seq_max = parallel
+        params.kv_unified = True  # mixed prompt/decode batches stay one ubatch
+        # flash_attn_type stays llama.cpp's default (auto: on for the CPU). Off, every step
+        # would also materialise n_kv x n_ubatch attention scores per head over the whole
+        # unified cache (a 646 MiB compute buffer at 16 x 2048 cells instead of 98 MiB), and
+        # the other sequences' masked-out cells would cost as much as the sequence's own.
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads_batch
+        params.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(model.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} x {parallel}")
+        self._memory = llama_cpp.llama_get_memory(self.ctx)
+        self._batch = TokenBatch(n_batch)
+        self._slots = SlotPool(parallel)
         self._default_seed = default_seed
-        self.n_ctx: int = llm.n_ctx()
-        self.n_vocab: int = llm.n_vocab()
-        metadata: dict[str, str] = dict(llm.metadata)
-        vocab = llama_cpp.llama_model_get_vocab(llm.model)
-        # End-of-generation tokens (eos, eot, <|endoftext|>...): scanning once is ~40 ms.
-        self.eog_ids = frozenset(
-            i for i in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)
-        )
-        self.add_bos = metadata.get("tokenizer.ggml.add_bos_token", "true") == "true"
-        self.bos_id: int = llm.token_bos()
-        bos_text = self._special_text(metadata.get("tokenizer.ggml.bos_token_id"))
-        eos_text = self._special_text(metadata.get("tokenizer.ggml.eos_token_id"))
-        self.template_source = metadata.get("tokenizer.chat_template")
-        self.template = ChatTemplate(
-            self.template_source or FALLBACK_CHATML_TEMPLATE,
-            bos_token=bos_text,
-            eos_token=eos_text,
-        )
-        self._bos_text = bos_text
-        self._pieces: dict[int, bytes] = {}
+        #: Admitted sequences in admission order (worker thread only).
+        self._running: list[Sequence] = []
+        # Shared with other threads, under ``_lock``: submitted jobs not admitted yet (with
+        # their submission time), every job not ended yet, and the stop flag.
+        self._lock = threading.Condition()
+        self._pending: collections.deque[tuple[ThreadJob, float]] = collections.deque()
+        self._live: set[ThreadJob] = set()
+        self._stopping = False
         #: Tokens sampled since start, across requests (tests observe cancellation with it).
         self.num_generated_tokens = 0
+        #: ``llama_decode`` calls since start, and the most sequences one of them carried.
+        self.num_decode_calls = 0
+        self.max_sequences_per_decode = 0
+        self._thread = threading.Thread(target=self._serve, name=f"llamacpp-{name}", daemon=True)
+        self._thread.start()
+
+    # -- any thread -----------------------------------------------------------------------
+
+    def submit(self, job: ThreadJob) -> None:
+        """Queue ``job``; its chunks, then None (or an error), arrive on its queue."""
+        with self._lock:
+            if self._stopping:
+                raise BackendUnavailableError(f"backend {self.name!r} is shutting down")
+            self._pending.append((job, time.monotonic()))
+            self._live.add(job)
+            self._lock.notify_all()
+
+    def wait_idle(self) -> None:
+        """Block until every job submitted so far has ended (blocking: call it off-loop)."""
+        with self._lock:
+            submitted = set(self._live)
+            self._lock.wait_for(lambda: self._stopping or not submitted & self._live)
+
+    def stop(self) -> None:
+        """Abort every queued and running job now; the worker exits after its current step."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            for job in self._live:
+                job.cancelled.set()
+                job.send(GenerationAbortedError(f"backend {self.name!r} is shutting down"))
+            self._lock.notify_all()
 
     def close(self) -> None:
-        for llm in (self.llm, self._echo_llm):
-            if llm is not None:
-                llm.close()
-        self._echo_llm = None
-
-    # -- prompt ---------------------------------------------------------------------------
-
-    def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], str]:
-        """Token ids and text of the request's prompt (chat rendered with the model template)."""
-        if request.kind == "chat":
-            messages = [
-                {"role": m.role, "content": m.content}
-                | ({"name": m.name} if m.name is not None else {})
-                for m in request.messages or ()
-            ]
-            try:
-                text = self.template.render(messages, add_generation_prompt=True)
-            except ChatTemplateError as exc:
-                raise InvalidRequestError(str(exc), param="messages") from exc
-            add_bos = self.add_bos and not (self._bos_text and text.startswith(self._bos_text))
-            return self._tokenize(text, add_bos=add_bos), text
-        prompt = request.prompt
-        if isinstance(prompt, tuple):
-            bad = next((t for t in prompt if not 0 <= t < self.n_vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(
-                    f"token id {bad} is outside the vocabulary (0..{self.n_vocab - 1})",
-                    param="prompt",
-                )
-            tokens = list(prompt)
-            return tokens, self.llm.detokenize(tokens).decode("utf-8", errors="replace")
-        text = prompt or ""
-        return self._tokenize(text, add_bos=self.add_bos), text
-
-    def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        tokens: list[int] = self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
-        return tokens
-
-    def _special_text(self, token_id: str | None) -> str:
-        if token_id is None:
-            return ""
-        return self.llm.detokenize([int(token_id)], special=True).decode("utf-8", errors="replace")
+        """:meth:`stop`, wait for the worker, free the context (blocking)."""
+        self.stop()
+        self._thread.join()
+        self._batch.free()
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        self.model.close()
 
     def check_context(self, request: GenerationRequest, num_prompt: int) -> int:
         """The effective ``max_tokens``; ``ContextLengthExceededError`` when it cannot fit."""
@@ -146,185 +182,212 @@ class LlamaRunner:
             )
         return max_tokens
 
-    # -- generation -----------------------------------------------------------------------
+    # -- worker thread --------------------------------------------------------------------
 
-    def run(
-        self,
-        request: GenerationRequest,
-        emit: Callable[[GenerationChunk], None],
-        is_cancelled: Callable[[], bool],
-    ) -> None:
-        """Generate one choice, handing each chunk to ``emit``; returns early when cancelled."""
-        params = request.params
-        tokens, prompt_text = self.prompt_tokens(request)
-        if not tokens:
-            tokens = [self.bos_id]  # something must be evaluated to have logits to sample from
-        max_tokens = self.check_context(request, len(tokens))
-        want_logprobs = params.logprobs or params.top_logprobs > 0
-        needs_prompt_logprobs = params.echo and want_logprobs and request.kind == "completion"
-        llm = self._echo_context() if needs_prompt_logprobs else self.llm
-
-        started = time.monotonic()
-        num_cached = self._evaluate_prompt(llm, tokens, is_cancelled, request.deadline)
-        if num_cached is None:
-            return
-        prefill_s = time.monotonic() - started
-        if params.echo and request.kind == "completion":
-            echoed = (
-                prompt_logprobs(llm.scores, tokens, params.top_logprobs, self._piece)
-                if needs_prompt_logprobs
-                else None
-            )
-            emit(GenerationChunk(prompt_text=prompt_text, prompt_logprobs=echoed))
-
-        sampler = build_sampler(
-            params,
-            n_vocab=self.n_vocab,
-            n_ctx=self.n_ctx,
-            eog_ids=self.eog_ids,
-            default_seed=self._default_seed,
-        )
+    def _serve(self) -> None:
         try:
-            self._decode(
-                llm, request, sampler, max_tokens, want_logprobs, emit, is_cancelled,
-                num_prompt=len(tokens), num_cached=num_cached, prefill_s=prefill_s,
-            )  # fmt: skip
+            while self._has_work():
+                try:
+                    self._step()
+                except Exception as exc:  # a bug of this loop: fail what ran, keep serving
+                    logger.exception("backend %s: llama.cpp step failed", self.name)
+                    for seq in list(self._running):
+                        self._trim(seq.slot, 0)
+                        self._end(seq, BackendError(f"llama.cpp generation failed: {exc}"))
         finally:
-            llama_cpp.llama_sampler_free(sampler)
+            for seq in list(self._running):
+                self._end(seq, None)  # stop() has told their readers already
 
-    def _decode(
-        self,
-        llm: Any,
-        request: GenerationRequest,
-        sampler: Any,
-        max_tokens: int,
-        want_logprobs: bool,
-        emit: Callable[[GenerationChunk], None],
-        is_cancelled: Callable[[], bool],
-        *,
-        num_prompt: int,
-        num_cached: int,
-        prefill_s: float,
-    ) -> None:
-        params = request.params
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        stop_buffer: StopBuffer[_Token] = StopBuffer(params.stop)
-        stop_ids = set(params.stop_token_ids)
-        held: list[_Token] = []  # tokens whose text is not out yet (partial UTF-8, held stop)
-        num_generated = 0
-        finish_reason: FinishReason = "length"
-        hit_stop_string = False
-        started = time.monotonic()
-        while num_generated < max_tokens:
-            if is_cancelled():
-                return
-            _check_deadline(request.deadline)
-            logits = last_logits(llm, self.n_vocab) if want_logprobs else None
-            token = llama_cpp.llama_sampler_sample(sampler, llm.ctx, -1)
-            self.num_generated_tokens += 1
-            if token in stop_ids or (token in self.eog_ids and not params.ignore_eos):
-                finish_reason = "stop"
-                break
-            num_generated += 1
-            piece = self._piece(token)
-            entry = None
-            if logits is not None:
-                entry = logprob_entry(logits, token, piece, params.top_logprobs, self._piece)
-            release = stop_buffer.push(decoder.decode(piece), (token, entry))
-            held.extend(release.payloads)
-            if release.text:
-                emit(_chunk(release.text, held, want_logprobs))
-                held = []
-            if release.stopped:
-                finish_reason = "stop"
-                hit_stop_string = True
-                break
-            if num_generated < max_tokens:
-                _eval(llm, [token])
-        text = ""
-        if not hit_stop_string:
-            # Bytes of an unfinished UTF-8 character at the very end become U+FFFD.
-            release = stop_buffer.push(decoder.decode(b"", final=True))
-            held.extend(release.payloads)
-            text = release.text
-            if release.stopped:
-                finish_reason = "stop"
-            else:
-                tail = stop_buffer.flush()
-                text += tail.text
-                held.extend(tail.payloads)
-        last = _chunk(text, held, want_logprobs)
-        emit(
-            GenerationChunk(
-                text=last.text,
-                token_ids=last.token_ids,
-                logprobs=last.logprobs if held else None,
-                finish_reason=finish_reason,
-                usage=Usage(
-                    prompt_tokens=num_prompt,
-                    completion_tokens=num_generated,
-                    cached_tokens=num_cached,
-                ),
-                phases=EnginePhases(prefill_s=prefill_s, decode_s=time.monotonic() - started),
+    def _has_work(self) -> bool:
+        with self._lock:
+            while not (self._stopping or self._pending or self._running):
+                self._lock.wait()
+            return not self._stopping
+
+    def _step(self) -> None:
+        """One iteration of continuous batching: admit, schedule, decode once, sample."""
+        self._admit()
+        scheduled = self._schedule()
+        if scheduled:
+            self._run(scheduled)
+
+    def _admit(self) -> None:
+        """Give free slots to queued jobs (FIFO); drop queued jobs cancelled or expired."""
+        if not self._pending:  # the common case, read without the lock (a stale read waits a step)
+            return
+        now = time.monotonic()
+        admitted: list[tuple[ThreadJob, float]] = []
+        with self._lock:
+            num_free = self._slots.num_free
+            kept: collections.deque[tuple[ThreadJob, float]] = collections.deque()
+            for job, submitted_at in self._pending:
+                deadline = job.request.deadline
+                if job.cancelled.is_set():
+                    self._live.discard(job)
+                elif deadline is not None and now > deadline:
+                    job.send(UpstreamTimeoutError("the request's deadline passed in the queue"))
+                    job.send(None)
+                    self._live.discard(job)
+                elif len(admitted) < num_free:
+                    admitted.append((job, submitted_at))
+                else:
+                    kept.append((job, submitted_at))
+            self._pending = kept
+            self._lock.notify_all()
+        for job, submitted_at in admitted:
+            self._start(job, queued_s=now - submitted_at)
+
+    def _start(self, job: ThreadJob, *, queued_s: float) -> None:
+        """Prepare the job's prompt and sampler and put it on the best slot."""
+        request = job.request
+        try:
+            tokens, prompt_text = self.model.prompt_tokens(request)
+            if not tokens:
+                tokens = [self.model.bos_id]  # something must be evaluated to sample from
+            max_tokens = self.check_context(request, len(tokens))
+            sampler = build_sampler(
+                request.params,
+                n_vocab=self.model.n_vocab,
+                n_ctx=self.n_ctx,
+                eog_ids=self.model.eog_ids,
+                default_seed=self._default_seed,
+            )
+        except InfermuxError as exc:
+            self._reject(job, exc)
+            return
+        except Exception as exc:
+            logger.exception("backend %s: preparing a llama.cpp prompt failed", self.name)
+            self._reject(job, BackendError(f"llama.cpp generation failed: {exc}"))
+            return
+        slot, num_shared = self._slots.acquire(tokens)
+        # The last prompt token is always evaluated again: its logits are sampled from. Echo
+        # with logprobs needs a logits row at every prompt position, so it reuses nothing.
+        num_cached = 0 if wants_prompt_logprobs(request) else min(num_shared, len(tokens) - 1)
+        num_cached = self._trim(slot, num_cached)
+        self._running.append(
+            Sequence(
+                job,
+                slot,
+                self.model,
+                prompt=tokens,
+                prompt_text=prompt_text,
+                num_cached=num_cached,
+                max_tokens=max_tokens,
+                sampler=sampler,
+                queued_s=queued_s,
             )
         )
 
-    def _evaluate_prompt(
-        self,
-        llm: Any,
-        tokens: list[int],
-        is_cancelled: Callable[[], bool],
-        deadline: float | None,
-    ) -> int | None:
-        """Evaluate the prompt, reusing the common prefix already in the context.
+    def _trim(self, slot: Slot, num_kept: int) -> int:
+        """Remove the slot's KV from position ``num_kept`` on; returns what was kept."""
+        if num_kept > 0 and llama_cpp.llama_memory_seq_pos_min(self._memory, slot.seq_id) > 0:
+            num_kept = 0  # a sliding-window cache has dropped the start of the sequence
+        if not llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, num_kept, -1):
+            # Models with recurrent state cannot cut a sequence; they drop it whole.
+            llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+            num_kept = 0
+        del slot.tokens[num_kept:]
+        return num_kept
 
-        Returns how many prompt tokens came from the context (``cached_tokens``), or None when
-        cancelled midway.
-        """
-        num_cached = 0
-        for previous, current in zip(llm.input_ids[: llm.n_tokens].tolist(), tokens, strict=False):
-            if previous != current:
+    def _schedule(self) -> list[_Scheduled]:
+        """Fill the batch: a token per generating sequence, then prompt chunks."""
+        batch = self._batch
+        batch.clear()
+        scheduled: list[_Scheduled] = []
+        now = time.monotonic()
+        for seq in list(self._running):
+            deadline = seq.job.request.deadline
+            if seq.job.cancelled.is_set():
+                self._end(seq, None)
+            elif deadline is not None and now > deadline:
+                self._end(seq, UpstreamTimeoutError("the request's deadline passed"))
+            elif seq.next_token is not None:
+                row = batch.add(seq.next_token, len(seq.slot.tokens), seq.slot.seq_id, True)
+                scheduled.append((seq, row, 1))
+        for seq in self._running:
+            if batch.room == 0:
                 break
-            num_cached += 1
-        # The last prompt token is always evaluated again: its logits are sampled from.
-        num_cached = min(num_cached, len(tokens) - 1)
-        llm.n_tokens = num_cached  # eval() drops the KV cache past n_tokens
-        batch = max(1, llm.n_batch)
-        for start in range(num_cached, len(tokens), batch):
-            if is_cancelled():
-                return None
-            _check_deadline(deadline)
-            _eval(llm, tokens[start : start + batch])
-        return num_cached
+            if not seq.is_prefilling:
+                continue
+            first_row = batch.num_tokens
+            start = seq.num_computed
+            end = min(len(seq.prompt), start + batch.room)
+            last = len(seq.prompt) - 1
+            every_row = seq.prompt_logprobs is not None
+            seq_id = seq.slot.seq_id
+            prompt = seq.prompt
+            for position in range(start, end):
+                batch.add(prompt[position], position, seq_id, every_row or position == last)
+            scheduled.append((seq, first_row, end - start))
+        return scheduled
 
-    def _echo_context(self) -> Any:
-        if self._echo_llm is None:
-            self._echo_llm = self._make_echo_llm()
-        return self._echo_llm
+    def _run(self, scheduled: list[_Scheduled]) -> None:
+        """Decode the batch once, then move every scheduled sequence on by its rows."""
+        rc = self._batch.decode(self.ctx)
+        self.num_decode_calls += 1
+        self.max_sequences_per_decode = max(self.max_sequences_per_decode, len(scheduled))
+        if rc != 0:
+            # 1: no KV room for the batch; <0 or 2: the KV may hold part of it. Either way
+            # the sequences in this batch cannot go on; the ones waiting outside it can.
+            logger.error("backend %s: llama_decode returned %d", self.name, rc)
+            for seq, _, _ in scheduled:
+                self._trim(seq.slot, 0)
+                self._end(seq, BackendError(f"llama.cpp failed to decode (llama_decode={rc})"))
+            return
+        for seq, first_row, num_rows in scheduled:
+            try:
+                self._advance(seq, first_row, num_rows)
+            except Exception as exc:
+                logger.exception("backend %s: llama.cpp sequence failed", self.name)
+                self._trim(seq.slot, 0)
+                self._end(seq, BackendError(f"llama.cpp generation failed: {exc}"))
 
-    def _piece(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            piece = self.llm.detokenize([token])
-            self._pieces[token] = piece
-        return piece
+    def _advance(self, seq: Sequence, first_row: int, num_rows: int) -> None:
+        slot = seq.slot
+        if seq.is_prefilling:
+            start = seq.num_computed
+            slot.tokens.extend(seq.prompt[start : start + num_rows])
+            if seq.prompt_logprobs is not None:
+                for k in range(num_rows):
+                    logits = logits_row(self.ctx, first_row + k, self.model.n_vocab)
+                    seq.prompt_logprobs.add_row(start + k, logits)
+            seq.num_computed += num_rows
+            if seq.is_prefilling:
+                return
+            echo = seq.prompt_done()
+            if echo is not None:
+                seq.job.send(echo)
+            if seq.max_tokens == 0:
+                self._end(seq, seq.final_chunk())
+                return
+        else:
+            assert seq.next_token is not None
+            slot.tokens.append(seq.next_token)
+        last_row = first_row + num_rows - 1
+        logprobs = None
+        if seq.want_logprobs:
+            logprobs = log_softmax(logits_row(self.ctx, last_row, self.model.n_vocab))
+        token = llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, last_row)
+        self.num_generated_tokens += 1
+        if seq.accept(token, logprobs):
+            self._end(seq, seq.final_chunk())
 
+    def _end(self, seq: Sequence, outcome: GenerationChunk | InfermuxError | None) -> None:
+        """The one way out of a sequence: its last item, then its sampler and slot freed."""
+        self._running.remove(seq)
+        llama_cpp.llama_sampler_free(seq.sampler)
+        self._slots.release(seq.slot)
+        if outcome is not None:
+            seq.job.send(outcome)
+        seq.job.send(None)
+        with self._lock:
+            self._live.discard(seq.job)
+            self._lock.notify_all()
 
-def _eval(llm: Any, tokens: list[int]) -> None:
-    try:
-        llm.eval(tokens)
-    except RuntimeError as exc:  # llama_decode failures (out of KV slots, compute errors)
-        raise BackendError(f"llama.cpp failed to evaluate tokens: {exc}") from exc
-
-
-def _check_deadline(deadline: float | None) -> None:
-    if deadline is not None and time.monotonic() > deadline:
-        raise UpstreamTimeoutError("the request's deadline passed during generation")
-
-
-def _chunk(text: str, tokens: list[_Token], want_logprobs: bool) -> GenerationChunk:
-    return GenerationChunk(
-        text=text,
-        token_ids=tuple(token for token, _ in tokens),
-        logprobs=tuple(e for _, e in tokens if e is not None) if want_logprobs else None,
-    )
+    def _reject(self, job: ThreadJob, error: InfermuxError) -> None:
+        """A job that never got a slot (bad prompt, no room in the context)."""
+        job.send(error)
+        job.send(None)
+        with self._lock:
+            self._live.discard(job)
+            self._lock.notify_all()

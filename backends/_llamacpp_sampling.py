@@ -1,13 +1,13 @@
-"""Sampling and logprobs for the llama.cpp backend: llama.cpp's sampler chain, and logprobs
-computed from the raw logits of the sampled position (the model's distribution before
-temperature and truncation, as OpenAI and vLLM report them).
+"""Sampling and logprobs for the llama.cpp backend: llama.cpp's sampler chain (one per
+sequence), and logprobs computed from the raw logits row of the sampled position (the model's
+distribution before temperature and truncation, as OpenAI and vLLM report them).
 """
 
 from __future__ import annotations
 
 import ctypes
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import llama_cpp
@@ -15,7 +15,7 @@ import numpy as np
 
 from backends.base import SamplingParams, TokenLogprob, TopLogprob
 
-__all__ = ["build_sampler", "last_logits", "logprob_entry", "prompt_logprobs"]
+__all__ = ["PromptLogprobs", "build_sampler", "log_softmax", "logits_row", "logprob_entry"]
 
 
 def build_sampler(
@@ -67,10 +67,9 @@ def build_sampler(
 
 
 def logprob_entry(
-    logits: np.ndarray, token: int, piece: bytes, num_top: int, pieces: Callable[[int], bytes]
+    logprobs: np.ndarray, token: int, piece: bytes, num_top: int, pieces: Callable[[int], bytes]
 ) -> TokenLogprob:
-    """The sampled token's logprob and its ``num_top`` best alternatives, from raw logits."""
-    logprobs = log_softmax(logits)  # (n_vocab,)
+    """``token``'s logprob and its ``num_top`` best alternatives, from a log-softmax row."""
     top: tuple[TopLogprob, ...] = ()
     if num_top > 0:
         ids = np.argpartition(-logprobs, num_top - 1)[:num_top]
@@ -93,31 +92,45 @@ def logprob_entry(
     )
 
 
-def prompt_logprobs(
-    scores: np.ndarray, tokens: Sequence[int], num_top: int, pieces: Callable[[int], bytes]
-) -> tuple[TokenLogprob, ...]:
-    """Per prompt token: its logprob given the tokens before it (None for the first)."""
-    entries = []
-    offset = 0
-    for position, token in enumerate(tokens):
-        piece = pieces(token)
-        if position == 0:
-            entry = TokenLogprob(
-                token=piece.decode("utf-8", errors="replace"),
+class PromptLogprobs:
+    """Per prompt token: its logprob given the tokens before it (None for the first).
+
+    Filled as chunked prefill evaluates the prompt: the logits row of position ``p`` predicts
+    the token at ``p + 1`` and is read right after the decode that produced it.
+    """
+
+    def __init__(self, tokens: list[int], num_top: int, pieces: Callable[[int], bytes]) -> None:
+        self._tokens = tokens
+        self._num_top = num_top
+        self._pieces = pieces
+        self._offset = 0
+        self.entries: list[TokenLogprob] = []
+        first = tokens[0]
+        self._append(
+            TokenLogprob(
+                token=pieces(first).decode("utf-8", errors="replace"),
                 logprob=None,
-                token_id=token,
-                bytes=list(piece),
+                token_id=first,
+                bytes=list(pieces(first)),
             )
-        else:
-            # Row p-1 of the score buffer holds the logits that predicted position p.
-            logits = np.asarray(scores[position - 1], dtype=np.float32)
-            entry = logprob_entry(logits, token, piece, num_top, pieces)
-        entries.append(with_offset(entry, offset))
-        offset += len(piece.decode("utf-8", errors="replace"))
-    return tuple(entries)
+        )
+
+    def add_row(self, position: int, logits: np.ndarray) -> None:
+        """The logits row computed at prompt ``position`` (ignored for the last position)."""
+        if position + 1 >= len(self._tokens):
+            return
+        token = self._tokens[position + 1]
+        entry = logprob_entry(
+            log_softmax(logits), token, self._pieces(token), self._num_top, self._pieces
+        )
+        self._append(entry)
+
+    def _append(self, entry: TokenLogprob) -> None:
+        self.entries.append(_with_offset(entry, self._offset))
+        self._offset += len(entry.token)
 
 
-def with_offset(entry: TokenLogprob, offset: int) -> TokenLogprob:
+def _with_offset(entry: TokenLogprob, offset: int) -> TokenLogprob:
     return TokenLogprob(
         token=entry.token,
         logprob=entry.logprob,
@@ -128,12 +141,14 @@ def with_offset(entry: TokenLogprob, offset: int) -> TokenLogprob:
     )
 
 
-def last_logits(llm: Any, n_vocab: int) -> np.ndarray:
-    pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    # A copy: the buffer is overwritten by the next decode.
+def logits_row(ctx: Any, index: int, n_vocab: int) -> np.ndarray:
+    """A view of the logits of batch row ``index`` of the last decode (valid until the next)."""
+    pointer = llama_cpp.llama_get_logits_ith(ctx, index)
+    if not pointer:
+        raise IndexError(f"llama.cpp has no logits for batch row {index}")
     return np.ctypeslib.as_array(
         ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)
-    ).copy()
+    )
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -1,32 +1,37 @@
 """The llama.cpp backend: llama-cpp-python in-process, from a GGUF file.
 
-One llama.cpp context serves one request at a time (contexts are not thread-safe), on one
-dedicated worker thread; requests queue in FIFO order behind it, so concurrency on this
-backend is one stream at a time. Tokens travel from the worker to the event loop through
-``loop.call_soon_threadsafe`` into a per-request ``asyncio.Queue`` as they are sampled.
-Closing the iterator sets a flag the token loop checks before every token (and between
-prompt batches), so an abandoned request stops within one decode step.
+One llama.cpp context serves up to ``parallel`` requests at once, batched into one
+``llama_decode`` per step on one dedicated worker thread (contexts are not thread-safe), the
+way ``llama-server -np N`` batches: :mod:`backends._llamacpp_loop` describes the step. Each
+request has its own sampler chain, stop strings, logprobs and slot of the KV cache, so a
+request with a fixed seed gives the same output alone or beside others, up to llama.cpp's
+rounding (which can depend on the batch's size and on where in the cache the request's KV
+cells lie: a near tie may then go the other way). Requests beyond ``parallel`` queue in FIFO
+order. Tokens travel from the worker to the event loop through ``loop.call_soon_threadsafe``
+into a per-request ``asyncio.Queue`` as they are sampled. Closing the iterator sets a flag
+the worker checks before every step, so an abandoned request leaves the batch within one
+decode step.
 
 The chat template comes from the GGUF metadata (``tokenizer.chat_template``), rendered in
-the sandbox of :mod:`core_engine.chat_template`. The context keeps the previous request's
-tokens; a new prompt that shares a prefix with them skips that prefix, and the number of
-skipped tokens is reported as ``cached_tokens``.
+the sandbox of :mod:`core_engine.chat_template`. Each slot keeps the tokens of its last
+request in the KV cache; a new prompt goes to the free slot sharing the longest prefix with
+it, skips that prefix, and the number of skipped tokens is reported as ``cached_tokens``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from backends._option import decode_options
-from backends._thread_job import ThreadJob, stream_job
+from backends._thread_job import ThreadJob
 from backends.base import (
     BackendConfig,
     Capabilities,
@@ -35,17 +40,22 @@ from backends.base import (
     HealthStatus,
     ModelInfo,
 )
-from backends.errors import (
-    BackendUnavailableError,
-    GenerationAbortedError,
-    InfermuxError,
-)
+from backends.errors import BackendConfigError, BackendUnavailableError
+
+if TYPE_CHECKING:
+    from backends._llamacpp_loop import LlamaRunner
 
 __all__ = ["LlamaCppBackend", "LlamaCppOptions", "create_backend"]
 
 logger = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_S = 2.0
+#: The default ``parallel`` where its KV cache fits (see ``LlamaCppOptions.parallel``).
+_DEFAULT_PARALLEL = 16
+#: The share of physical memory the KV cache of the default ``parallel`` may take.
+_KV_MEMORY_SHARE = 1 / 8
+#: llama.cpp's limit on sequence ids (``LLAMA_MAX_SEQ``).
+_MAX_PARALLEL = 256
 
 
 class LlamaCppOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -53,9 +63,18 @@ class LlamaCppOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     #: GGUF file; default: the embedded SmolLM2-135M-Instruct.
     model_path: str | None = None
+    #: Context length of one request (prompt plus output); the KV cache holds
+    #: ``parallel * n_ctx`` token positions.
     n_ctx: int = 2048
+    #: Requests served at once, batched into each ``llama_decode`` (llama-server's ``-np``);
+    #: more queue. None: 16, or fewer when the KV cache of 16 x ``n_ctx`` positions (f16 K
+    #: and V in every layer) would take more than 1/8 of the machine's physical memory: the
+    #: most that fits in that 1/8, and at least 1.
+    parallel: int | None = None
     n_threads: int = 2
     n_threads_batch: int | None = None
+    #: Most tokens in one ``llama_decode`` (prompt chunks plus one per generating request);
+    #: raised to ``parallel`` if below.
     n_batch: int = 512
     #: Seed for requests that send none (None: a fresh random seed per request).
     seed: int | None = None
@@ -75,33 +94,33 @@ class LlamaCppBackend:
         self.name = config.name
         self.config = config
         self.options = decode_options(config, LlamaCppOptions)
+        prefix = f"backends.{config.name}.options"
         if self.options.n_ctx < 16:
-            raise ValueError(f"backends.{config.name}.options.n_ctx: must be at least 16")
+            raise ValueError(f"{prefix}.n_ctx: must be at least 16")
         if self.options.n_threads < 1:
-            raise ValueError(f"backends.{config.name}.options.n_threads: must be at least 1")
+            raise ValueError(f"{prefix}.n_threads: must be at least 1")
+        if self.options.n_batch < 1:
+            raise ValueError(f"{prefix}.n_batch: must be at least 1")
+        parallel = self.options.parallel
+        if parallel is not None and not 1 <= parallel <= _MAX_PARALLEL:
+            raise ValueError(f"{prefix}.parallel: must be between 1 and {_MAX_PARALLEL}")
         self.capabilities = Capabilities(
             logprobs=True, echo=True, structured_outputs=False, max_top_logprobs=20
         )
-        self._executor: ThreadPoolExecutor | None = None
-        self._runner: Any | None = None
-        self._jobs: set[ThreadJob] = set()
+        self._runner: LlamaRunner | None = None
         self._model_path: Path | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the GGUF on the worker thread, logging progress while it loads."""
+        """Load the GGUF off the event loop, logging progress while it loads."""
         if self._runner is not None:
             return
         path = self._resolve_model_path()
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"llamacpp-{self.name}"
-        )
         size_mib = path.stat().st_size / 2**20
         logger.info("backend %s: loading %s (%.0f MiB)", self.name, path.name, size_mib)
         started = time.monotonic()
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, self._load, path)
+        future = asyncio.ensure_future(asyncio.to_thread(self._load, path))
         while True:
             done, _ = await asyncio.wait({future}, timeout=_PROGRESS_EVERY_S)
             if done:
@@ -112,17 +131,14 @@ class LlamaCppBackend:
                 path.name,
                 time.monotonic() - started,
             )
-        try:
-            self._runner = future.result()
-        except InfermuxError:
-            self._shutdown_executor()
-            raise
+        self._runner = runner = future.result()
         logger.info(
-            "backend %s: loaded %s in %.1f s (n_ctx=%d, n_threads=%d)",
+            "backend %s: loaded %s in %.1f s (n_ctx=%d, parallel=%d, n_threads=%d)",
             self.name,
             path.name,
             time.monotonic() - started,
-            self.options.n_ctx,
+            runner.n_ctx,
+            runner.parallel,
             self.options.n_threads,
         )
 
@@ -135,52 +151,56 @@ class LlamaCppBackend:
             try:
                 path = default_model_path()
             except FileNotFoundError as exc:
-                raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
+                raise BackendConfigError(f"backend {self.name!r}: {exc}") from exc
         if not path.is_file():
-            raise BackendUnavailableError(
+            raise BackendConfigError(
                 f"backend {self.name!r}: model file not found: {path} "
                 f"(backends.{self.name}.options.model_path)"
             )
         self._model_path = path
         return path
 
-    def _load(self, path: Path) -> Any:
+    def _load(self, path: Path) -> LlamaRunner:
         try:
-            from llama_cpp import Llama
+            import llama_cpp  # noqa: F401  (the package also installs llama.cpp's log callback)
         except ImportError as exc:
             raise BackendUnavailableError(
                 "the llamacpp backend needs llama-cpp-python: pip install 'infermux[llamacpp]'"
             ) from exc
         from backends._llamacpp_loop import LlamaRunner
+        from backends._llamacpp_model import LlamaModel
 
         options = self.options
-
-        def make_llm(*, logits_all: bool) -> Any:
-            try:
-                return Llama(
-                    str(path),
-                    n_ctx=options.n_ctx,
-                    n_threads=options.n_threads,
-                    n_threads_batch=options.n_threads_batch or options.n_threads,
-                    n_batch=options.n_batch,
-                    use_mmap=options.use_mmap,
-                    logits_all=logits_all,
-                    verbose=options.verbose,
-                )
-            except (ValueError, RuntimeError, OSError) as exc:
-                raise BackendUnavailableError(
-                    f"backend {self.name!r}: llama.cpp could not load {path}: {exc}"
-                ) from exc
-
-        llm = make_llm(logits_all=False)
-        return LlamaRunner(
-            llm,
-            make_echo_llm=lambda: make_llm(logits_all=True),
-            default_seed=options.seed,
+        # llama-cpp-python's log callback prints llama.cpp's lines at this logger's level.
+        logging.getLogger("llama-cpp-python").setLevel(
+            logging.DEBUG if options.verbose else logging.ERROR
         )
+        try:
+            model = LlamaModel(path, use_mmap=options.use_mmap)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise BackendUnavailableError(
+                f"backend {self.name!r}: llama.cpp could not load {path}: {exc}"
+            ) from exc
+        parallel = options.parallel or _default_parallel(options.n_ctx, model.kv_bytes_per_token)
+        try:
+            return LlamaRunner(
+                model,
+                name=self.name,
+                n_ctx=options.n_ctx,
+                parallel=parallel,
+                n_batch=options.n_batch,
+                n_threads=options.n_threads,
+                n_threads_batch=options.n_threads_batch or options.n_threads,
+                default_seed=options.seed,
+            )
+        except RuntimeError as exc:
+            model.close()
+            raise BackendUnavailableError(
+                f"backend {self.name!r}: llama.cpp could not create its context: {exc}"
+            ) from exc
 
     def model_info(self) -> ModelInfo:
-        """The file's name, the context length in use, and the template from the metadata."""
+        """The file's name, the context length of a request, the template from the metadata."""
         path = self._model_path
         model_id = self.options.model_id or (path.name.removesuffix(".gguf") if path else self.name)
         runner = self._runner
@@ -197,29 +217,18 @@ class LlamaCppBackend:
         return HealthStatus(ok=True, detail="loaded")
 
     async def aclose(self) -> None:
-        """Stop the worker thread after the current token and free the contexts."""
+        """Abort queued and running generations, stop the worker thread, free the context."""
         runner, self._runner = self._runner, None
-        executor = self._executor
-        if executor is None:
+        if runner is None:
             return
-        for job in list(self._jobs):
-            # Running and queued generations stop at their next token; their readers get
-            # an error now rather than waiting on a queue that no worker will fill.
-            job.cancelled.set()
-            job.send(GenerationAbortedError(f"backend {self.name!r} is shutting down"))
-        if runner is not None:
-            await asyncio.get_running_loop().run_in_executor(executor, runner.close)
-        self._shutdown_executor()
-
-    def _shutdown_executor(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        # Readers get GenerationAbortedError now, not after the worker's current step.
+        runner.stop()
+        await asyncio.to_thread(runner.close)
 
     async def wait_idle(self) -> None:
-        """Wait until every generation queued so far has left the worker (drain, tests)."""
-        if self._executor is not None:
-            await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+        """Wait until every generation submitted so far has left the worker (drain, tests)."""
+        if self._runner is not None:
+            await asyncio.to_thread(self._runner.wait_idle)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -229,17 +238,42 @@ class LlamaCppBackend:
     # -- serving --------------------------------------------------------------------------
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream one choice; closing the iterator stops generation after the current token."""
-        return stream_job(
-            request,
-            backend_name=self.name,
-            runner=self._runner,
-            executor=self._executor,
-            jobs=self._jobs,
-            library="llama.cpp",
-        )
+        """Stream one choice; closing the iterator takes it out of the batch at the next step."""
+        return self._stream(request)
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        runner = self._runner
+        if runner is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        job = ThreadJob(request, asyncio.get_running_loop())
+        runner.submit(job)
+        try:
+            while True:
+                item = await job.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            job.cancelled.set()
+
+
+def _default_parallel(n_ctx: int, kv_bytes_per_token: int) -> int:
+    """``parallel`` when the options leave it unset: see :class:`LlamaCppOptions`."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf names (Windows)
+        memory = 8 * 2**30
+    fitting = int(memory * _KV_MEMORY_SHARE) // max(1, n_ctx * kv_bytes_per_token)
+    return max(1, min(_DEFAULT_PARALLEL, fitting))
 
 
 def create_backend(config: BackendConfig) -> LlamaCppBackend:
     """Factory registered for kind ``"llamacpp"``."""
     return LlamaCppBackend(config)
+
+
+#: llama.cpp runs in a supervised worker process unless ``worker_process = false``
+#: (backends/worker): a crash in its kernels must not take the gateway down.
+create_backend.worker_process_default = True  # type: ignore[attr-defined]

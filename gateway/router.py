@@ -30,6 +30,9 @@ Circuit breaker per backend (passive health)::
     closed --N consecutive failures--> open --cool-down--> half_open --probe ok--> closed
                                          ^                     |
                                          +----probe failed-----+
+
+A backend that can tell it recovered (``add_recovery_listener``: a worker process started
+again after a crash) closes its circuit at once.
 """
 
 from __future__ import annotations
@@ -204,13 +207,18 @@ class ModelRouter:
                 model.alias, list(model.backends), factory(), model.max_retries
             )
         self._circuits: dict[str, CircuitBreaker] = {}
-        for name in backends:
+        for name, backend in backends.items():
             config = backend_configs.get(name)
-            self._circuits[name] = CircuitBreaker(
+            circuit = self._circuits[name] = CircuitBreaker(
                 failure_threshold=config.circuit_failure_threshold if config else 5,
                 cooldown_s=config.circuit_cooldown_s if config else 10.0,
                 clock=clock,
             )
+            # A backend that knows it is healthy again (a worker process restarted after a
+            # crash) closes its circuit at once instead of waiting out the cool-down.
+            add_listener = getattr(backend, "add_recovery_listener", None)
+            if callable(add_listener):
+                add_listener(circuit.record_success)
         self._outstanding: dict[str, int] = dict.fromkeys(backends, 0)
 
     def aliases(self) -> list[str]:

@@ -133,6 +133,7 @@ class WorkerBackend:
         self._backoff_attempt = 0
         self._restart_task: asyncio.Task[None] | None = None
         self._stats: dict[str, float] = {}
+        self._recovery_listeners: list[Callable[[], None]] = []
         #: Times the worker was started again after it died.
         self.restarts = 0
         #: How the last worker ended ("killed by SIGSEGV"), or None.
@@ -286,6 +287,8 @@ class WorkerBackend:
                 continue
             self.restarts += 1
             logger.info("backend %s: worker restarted (restart %d)", self.name, self.restarts)
+            for listener in self._recovery_listeners:
+                listener()
 
     def _fail_pending(self, error: BaseException) -> None:
         pending, self._pending = self._pending, {}
@@ -349,6 +352,11 @@ class WorkerBackend:
             "worker_up": 1.0 if self._state == "up" else 0.0,
             "worker_restarts": float(self.restarts),
         }
+
+    def add_recovery_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` each time the worker is up again after a crash (the router
+        closes the backend's circuit)."""
+        self._recovery_listeners.append(listener)
 
     # -- for tests and operators ------------------------------------------------------------
 

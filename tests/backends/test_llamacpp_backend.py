@@ -209,7 +209,7 @@ async def test_ignore_eos_runs_to_max_tokens(backend: LlamaCppBackend) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 40
 
 
-async def test_concurrent_requests_are_served_one_after_the_other(backend: LlamaCppBackend) -> None:
+async def test_concurrent_requests_each_get_their_own_output(backend: LlamaCppBackend) -> None:
     requests = [_chat(f"Say the number {i}.", max_tokens=6, temperature=0) for i in range(3)]
     results = await asyncio.gather(*(_collect(backend, r) for r in requests))
     alone = await _collect(backend, requests[1])
@@ -218,7 +218,10 @@ async def test_concurrent_requests_are_served_one_after_the_other(backend: Llama
 
 
 async def test_closing_the_backend_aborts_open_streams() -> None:
-    llama = create_backend(BackendConfig(name="own", kind="llamacpp", options={"n_threads": 1}))
+    # One slot: the second request really waits in the queue behind the first.
+    llama = create_backend(
+        BackendConfig(name="own", kind="llamacpp", options={"n_threads": 1, "parallel": 1})
+    )
     await llama.start()
     running = llama.generate(_chat("Tell a long story.", max_tokens=400, ignore_eos=True))
     queued = llama.generate(_chat("And another one.", max_tokens=400, ignore_eos=True))

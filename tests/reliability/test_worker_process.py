@@ -81,7 +81,7 @@ def mock_worker_gateway(live_gateway: Any, tmp_path: Path) -> Iterator[LiveGatew
         in_worker(mock_backend("slow_start", first_token_delay_s=30.0)),
         in_worker(mock_backend("w", token_delay_s=0.02)),
         mock_backend("local"),
-        models={"fallback": ["slow_start", "local"], "worker": ["w"]},
+        models={"fallback": ["slow_start", "local"], "worker": ["w"], "local": ["local"]},
     )
     with live_gateway(with_ledger(config, tmp_path / "ledger.sqlite3")) as gw:
         yield gw
@@ -171,7 +171,7 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_frame(
     assert error["code"] == "backend_unavailable"
     assert sig.name in error["message"]
     assert any(json.loads(f).get("choices") for f in frames[:-1])  # tokens came first
-    assert_still_serving(gw, model="fallback")  # the gateway and the other backends live
+    assert_still_serving(gw, model="local")  # the gateway and the other backends live
     wait_restarted(backend, restarts + 1)
     status, frames, _ = stream_chat(gw, "worker", "back again")
     assert status == 200 and frames[-1] == "[DONE]"
@@ -347,7 +347,10 @@ backends = ["llama"]
 """
     )
     proc = _serve(config, _free_port())
-    output, _ = proc.communicate(timeout=120)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
     assert proc.returncode == 2, output
     assert "cannot start as configured" in output
     assert "nope.gguf" in output and "optional = true" in output

@@ -1,0 +1,73 @@
+"""Slots: the sequence ids of one llama.cpp context, and which one a new prompt takes.
+
+A context serving ``parallel`` sequences has that many slots, each a llama.cpp ``seq_id`` with
+its own KV positions. A slot remembers the tokens whose KV it holds (the last request's
+prompt and output), so a new prompt that starts the same way skips that prefix.
+:meth:`SlotPool.acquire` gives a new request the free slot with the longest common prefix;
+ties go to the least recently used slot, so unused slots are taken before warm ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["Slot", "SlotPool", "common_prefix_length"]
+
+
+class Slot:
+    """One sequence id of the context and the tokens its KV cache holds, in position order."""
+
+    __slots__ = ("seq_id", "tokens", "last_used", "is_busy")
+
+    def __init__(self, seq_id: int) -> None:
+        self.seq_id = seq_id
+        #: Token ``i`` of this list has its KV at position ``i`` of sequence ``seq_id``.
+        self.tokens: list[int] = []
+        #: Release order (0: never used), the tie-break of :meth:`SlotPool.acquire`.
+        self.last_used = 0
+        self.is_busy = False
+
+
+class SlotPool:
+    """The slots of one context; :meth:`acquire` / :meth:`release` hand them out."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.slots = [Slot(seq_id) for seq_id in range(num_slots)]
+        self._num_releases = 0
+
+    @property
+    def num_free(self) -> int:
+        return sum(not slot.is_busy for slot in self.slots)
+
+    def acquire(self, prompt: Sequence[int]) -> tuple[Slot, int]:
+        """The free slot that shares the longest prefix with ``prompt``, and that length.
+
+        The caller trims the slot's KV past the returned length; ``num_free`` must be > 0.
+        """
+        best: Slot | None = None
+        best_key = (-1, 0)
+        for slot in self.slots:
+            if slot.is_busy:
+                continue
+            key = (common_prefix_length(slot.tokens, prompt), -slot.last_used)
+            if key > best_key:
+                best, best_key = slot, key
+        assert best is not None, "acquire() needs a free slot"
+        best.is_busy = True
+        return best, best_key[0]
+
+    def release(self, slot: Slot) -> None:
+        self._num_releases += 1
+        slot.last_used = self._num_releases
+        slot.is_busy = False
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    length = min(len(a), len(b))
+    if a[:length] == b[:length]:  # the common case of a repeated prompt, compared in C
+        return length
+    for i in range(length):
+        if a[i] != b[i]:
+            return i
+    return length
