@@ -2,7 +2,7 @@
 
 A llama.cpp context is not thread-safe, so one dedicated thread owns it and runs a
 continuous-batching loop, as ``llama-server -np N`` does. The context has ``parallel`` slots
-(sequence ids) sharing one unified KV cache of ``parallel * n_ctx`` cells. Each step:
+(sequence ids), each with its own KV stream of ``n_ctx`` cells. Each step:
 
 1. **admit**: queued jobs take free slots, FIFO; each prompt goes to the free slot whose
    cached tokens share the longest prefix with it (:mod:`backends._llamacpp_slot`), the
@@ -92,11 +92,14 @@ class LlamaRunner:
         params.n_batch = n_batch
         params.n_ubatch = n_batch  # one compute pass per step
         params.n_seq_max = parallel
-        params.kv_unified = True  # mixed prompt/decode batches stay one ubatch
+        # One KV stream per slot (as llama-server -np N): a sequence's attention reads only
+        # its own cells. A unified cache made each read every slot's cells (masked), which
+        # cost 16 concurrent streams of ~290-token prompts 27% of their throughput (34.8 vs
+        # 47.6 tok/s, docs/benchmarks.md).
+        params.kv_unified = False
         # flash_attn_type stays llama.cpp's default (auto: on for the CPU). Off, every step
-        # would also materialise n_kv x n_ubatch attention scores per head over the whole
-        # unified cache (a 646 MiB compute buffer at 16 x 2048 cells instead of 98 MiB), and
-        # the other sequences' masked-out cells would cost as much as the sequence's own.
+        # would also materialise n_kv x n_ubatch attention scores per head (measured with a
+        # unified cache: a 646 MiB compute buffer at 16 x 2048 cells instead of 98 MiB).
         params.n_threads = n_threads
         params.n_threads_batch = n_threads_batch
         params.no_perf = True

@@ -2,7 +2,9 @@
 
 llama.cpp and MLX generate on a dedicated worker thread (their contexts are not thread-safe
 and their calls block); each request is a :class:`ThreadJob` whose chunks the worker hands
-back to the request's event loop, and whose ``cancelled`` flag the worker checks every token.
+back to the request's event loop, and whose ``cancelled`` flag the worker checks every token
+(llama.cpp: every batched step). MLX serves one job at a time through :func:`stream_job` /
+:func:`run_job`; the llama.cpp runner takes the jobs into its own batching loop.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The MLX backend's async side: options, loading, and streaming from the worker thread.
 
 One worker thread owns the model, the prompt cache and MLX's global random state; requests
-queue behind it in FIFO order (one stream at a time, as on the llama.cpp backend). Tokens go
+queue behind it in FIFO order (one stream at a time; the llama.cpp backend batches). Tokens go
 from the worker to the event loop through ``loop.call_soon_threadsafe`` into a per-request
 ``asyncio.Queue`` as they are sampled. Closing the iterator sets a flag that the token loop
 checks after every token and between prefill chunks, so an abandoned request stops within
