@@ -181,10 +181,15 @@ def default_backends() -> list[BackendConfig]:
     except FileNotFoundError as exc:
         raise ConfigError(f"backends[0].options.model_path: {exc}") from exc
     backends = [
+        # Under load, requests wait for one of its slots, as on llama-server -np 16: no
+        # first-byte timeout, so a queued request does not spill onto the other engines on
+        # the same cores (measured at 64 streams: 0.80x llama-server with the spill-over,
+        # docs/benchmarks.md). total_timeout still bounds a request.
         BackendConfig(
             name="llamacpp",
             kind="llamacpp",
             options={"model_path": str(model_path), "n_ctx": 2048, "n_threads": 2},
+            first_byte_timeout=None,
         ),
     ]
     # The native engine serves the same file (pin it with `x-infermux-backend: core_engine`).

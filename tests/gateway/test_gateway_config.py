@@ -177,6 +177,10 @@ def test_default_config_serves_smollm2_through_llamacpp() -> None:
     assert config.models[0].alias == DEFAULT_MODEL_ALIAS == "smollm2"
     assert config.models[0].backends == [b.name for b in config.backends]
     assert Path(config.backends[0].options["model_path"]).is_file()
+    # Requests queue for llama.cpp's slots under load instead of spilling, after a first-byte
+    # timeout, onto the other engines on the same cores; total_timeout still bounds them.
+    assert config.backends[0].first_byte_timeout is None
+    assert config.backends[0].total_timeout is not None
     assert load_config(None, env={}) == config
 
 
