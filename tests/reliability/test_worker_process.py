@@ -394,3 +394,26 @@ backends = ["llama", "echo"]
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
     assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_weight_format_this_cpu_cannot_run_fails_start_up_instead_of_serving_503s(
+    live_gateway: Any,
+) -> None:
+    # Seen on an AMX Xeon: dtype "auto" picked bf16 and weight_format "int8" refused it, yet
+    # /ready said 200 and every request got 503. It is a configuration error now.
+    config = gateway_config(
+        BackendConfig(
+            name="core",
+            kind="core_engine",
+            options={"dtype": "bfloat16", "weight_format": "int8", "num_threads": 2},
+        ),
+        models={"m": ["core"]},
+    )
+    with live_gateway(config, allow_failed_backends=True) as gw:
+        ready = httpx.get(f"{gw}/ready")
+        assert ready.status_code == 503
+        body = ready.json()
+        assert body["status"] == "failed"
+        assert "weight_format" in body["error"] and "optional = true" in body["error"]
+        assert gw.state.startup_error == body["error"]
