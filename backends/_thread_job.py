@@ -19,7 +19,7 @@ from typing import Any
 from backends.base import GenerationChunk, GenerationRequest
 from backends.errors import BackendError, BackendUnavailableError, InfermuxError
 
-__all__ = ["ThreadJob", "run_job", "stream_job"]
+__all__ = ["ThreadJob", "drain", "run_job", "stream_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,16 @@ async def stream_job(
         raise BackendUnavailableError(f"backend {backend_name!r} is shutting down") from exc
     jobs.add(job)
     try:
+        async for chunk in drain(job):
+            yield chunk
+    finally:
+        jobs.discard(job)
+
+
+async def drain(job: ThreadJob) -> AsyncIterator[GenerationChunk]:
+    """Yield the job's chunks until its end marker, raising the error it sent; closing the
+    iterator sets the job's ``cancelled`` flag."""
+    try:
         while True:
             item = await job.queue.get()
             if item is None:
@@ -94,4 +104,3 @@ async def stream_job(
             yield item
     finally:
         job.cancelled.set()
-        jobs.discard(job)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from backends._option import decode_options
-from backends._thread_job import ThreadJob
+from backends._thread_job import ThreadJob, drain
 from backends.base import (
     BackendConfig,
     Capabilities,
@@ -247,16 +247,8 @@ class LlamaCppBackend:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         job = ThreadJob(request, asyncio.get_running_loop())
         runner.submit(job)
-        try:
-            while True:
-                item = await job.queue.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            job.cancelled.set()
+        async for chunk in drain(job):
+            yield chunk
 
 
 def _default_parallel(n_ctx: int, kv_bytes_per_token: int) -> int:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from backends.base import BackendConfig, GenerationRequest, SamplingParams  # noqa: E402
 from backends.default_model import default_model_path  # noqa: E402
 from backends.worker import WorkerBackend  # noqa: E402
+from core_engine.cpu_features import cpu_model  # noqa: E402
 
 
 def _factory(kind: str) -> Any:
@@ -111,7 +112,7 @@ async def main() -> int:
     record = {
         "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpu": _cpu_model(), "python": platform.python_version()},
+        "machine": {"cpu": cpu_model(), "python": platform.python_version()},
         "kind": args.kind,
         "tokens": args.tokens,
         "rates_tok_s": rates,
@@ -122,16 +123,6 @@ async def main() -> int:
     _plot(rates, ratio, args, args.out / f"{args.kind}.png")
     print(f"wrote {args.out / f'{args.kind}.json'} and .png")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _plot(rates: dict[str, list[float]], ratio: float, args: Any, path: Path) -> None:

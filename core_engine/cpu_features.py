@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-__all__ = ["cpu_flags"]
+__all__ = ["cpu_flags", "cpu_model"]
 
 
 @cache
@@ -18,3 +18,17 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+@cache
+def cpu_model() -> str:
+    """The kernel's model name of the first CPU ("AMD EPYC"), else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()

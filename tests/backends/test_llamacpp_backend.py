@@ -17,6 +17,7 @@ from backends.base import (
 )
 from backends.errors import ContextLengthExceededError, GenerationAbortedError
 from backends.llamacpp import LlamaCppBackend, create_backend
+from tests.backends.llamacpp_util import _chat, _collect, _completion
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -29,30 +30,6 @@ async def backend() -> AsyncIterator[LlamaCppBackend]:
     await llama.start()
     yield llama
     await llama.aclose()
-
-
-def _chat(text: str, **params: object) -> GenerationRequest:
-    return GenerationRequest(
-        request_id="r",
-        model="smollm2",
-        kind="chat",
-        messages=(ChatMessage(role="user", content=text),),
-        params=SamplingParams(**params),  # type: ignore[arg-type]
-    )
-
-
-def _completion(prompt: str, **params: object) -> GenerationRequest:
-    return GenerationRequest(
-        request_id="r",
-        model="smollm2",
-        kind="completion",
-        prompt=prompt,
-        params=SamplingParams(**params),  # type: ignore[arg-type]
-    )
-
-
-async def _collect(backend: LlamaCppBackend, request: GenerationRequest) -> list[GenerationChunk]:
-    return [chunk async for chunk in backend.generate(request)]
 
 
 def _text(chunks: list[GenerationChunk]) -> str:

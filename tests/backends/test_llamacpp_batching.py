@@ -34,6 +34,7 @@ from backends.base import (
 )
 from backends.errors import BackendError, ContextLengthExceededError, UpstreamTimeoutError
 from backends.llamacpp import LlamaCppBackend, create_backend
+from tests.backends.llamacpp_util import _chat, _collect, _completion
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,30 +77,6 @@ async def fresh() -> AsyncIterator[Callable[[], Awaitable[LlamaCppBackend]]]:
 
 
 Fresh = Callable[[], Awaitable[LlamaCppBackend]]
-
-
-def _chat(text: str, **params: object) -> GenerationRequest:
-    return GenerationRequest(
-        request_id="r",
-        model="smollm2",
-        kind="chat",
-        messages=(ChatMessage(role="user", content=text),),
-        params=SamplingParams(**params),  # type: ignore[arg-type]
-    )
-
-
-def _completion(prompt: str, **params: object) -> GenerationRequest:
-    return GenerationRequest(
-        request_id="r",
-        model="smollm2",
-        kind="completion",
-        prompt=prompt,
-        params=SamplingParams(**params),  # type: ignore[arg-type]
-    )
-
-
-async def _collect(backend: LlamaCppBackend, request: GenerationRequest) -> list[GenerationChunk]:
-    return [chunk async for chunk in backend.generate(request)]
 
 
 async def _alone(
