@@ -93,9 +93,9 @@ class LlamaRunner:
         params.n_ubatch = n_batch  # one compute pass per step
         params.n_seq_max = parallel
         # One KV stream per slot (as llama-server -np N): a sequence's attention reads only
-        # its own cells. A unified cache made each read every slot's cells (masked), which
-        # cost 16 concurrent streams of ~290-token prompts 27% of their throughput (34.8 vs
-        # 47.6 tok/s, docs/benchmarks.md).
+        # its own cells. A unified cache made each read every slot's cells (masked): at 16
+        # streams of ~281-token prompts infermux went from 0.66x to 1.05x llama-server with
+        # this change (docs/benchmarks.md, serving results).
         params.kv_unified = False
         # flash_attn_type stays llama.cpp's default (auto: on for the CPU). Off, every step
         # would also materialise n_kv x n_ubatch attention scores per head (measured with a
