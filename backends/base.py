@@ -26,6 +26,7 @@ __all__ = [
     "HealthStatus",
     "ModelInfo",
     "SamplingParams",
+    "SpeculationStats",
     "TokenLogprob",
     "TopLogprob",
     "Usage",
@@ -126,6 +127,30 @@ class EnginePhases(msgspec.Struct, frozen=True, kw_only=True):
     decode_s: float | None = None
 
 
+class SpeculationStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Speculative decoding of one choice, on its last chunk (engines that speculate).
+
+    Counted as vLLM's ``spec_decode`` series: a *draft* is one proposal of one or more
+    tokens verified in one forward; mean accepted length per draft is
+    ``num_accepted_tokens / num_drafts``, and each draft also yields one token of the
+    target's own (the correction or the bonus token).
+    """
+
+    #: "ngram" or "draft" (the last method used), None when nothing was proposed.
+    method: str | None = None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
 class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
     """A piece of output. Text deltas are already detokenized (never split a UTF-8 char)."""
 
@@ -143,6 +168,8 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
     #: Set on the last chunk (and on error, with what was produced so far).
     usage: Usage | None = None
     phases: EnginePhases | None = None
+    #: On the last chunk of a backend that speculates (None: no speculation).
+    speculation: SpeculationStats | None = None
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,6 +28,7 @@ from backends.base import (
     GenerationRequest,
     HealthStatus,
     ModelInfo,
+    SpeculationStats,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -48,6 +49,17 @@ __all__ = ["CoreEngineBackend", "CoreEngineOptions", "create_backend"]
 logger = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_S = 2.0
+
+
+class SpeculationOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``options.speculation`` (see ``core_engine.config.SpeculationConfig``)."""
+
+    methods: tuple[Literal["ngram", "draft"], ...] = ("ngram",)
+    draft_model_path: str | None = None
+    max_proposal: int = 8
+    ngram_max: int = 3
+    ngram_min: int = 1
+    draft_kv_cache_memory_mb: int | None = None
 
 
 class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -72,6 +84,9 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     seed: int | None = None
     #: ``model_info().id`` (default: the file name without ``.gguf``).
     model_id: str | None = None
+    #: Speculative decoding mechanisms to load (absent: off). Per request and step the
+    #: speculation policy (hook ``infermux_choose_speculation``) picks the method and k.
+    speculation: SpeculationOptions | None = None
 
 
 class CoreEngineBackend:
@@ -92,6 +107,41 @@ class CoreEngineBackend:
         self._model_path: Path | None = None
         self._pieces: dict[int, bytes] = {}
         self._counter = 0
+        self._policies: Any = None  # EnginePolicies, from use_policies()
+        self._spec_config: Any = self._speculation_config()
+
+    def _speculation_config(self) -> Any:
+        spec = self.options.speculation
+        if spec is None:
+            return None
+        from core_engine.config import SpeculationConfig
+
+        prefix = f"backends.{self.name}.options."
+        path = spec.draft_model_path
+        if path is not None:
+            path = str(Path(path).expanduser())
+            if not Path(path).is_file():
+                raise BackendConfigError(f"{prefix}speculation.draft_model_path: file not found: {path}")
+        try:
+            return SpeculationConfig(
+                methods=tuple(spec.methods),
+                draft_model_path=path,
+                max_proposal=spec.max_proposal,
+                ngram_max=spec.ngram_max,
+                ngram_min=spec.ngram_min,
+                draft_kv_cache_memory_bytes=None
+                if spec.draft_kv_cache_memory_mb is None
+                else spec.draft_kv_cache_memory_mb * 2**20,
+            )
+        except ValueError as exc:
+            raise BackendConfigError(f"{prefix}{exc}") from exc
+
+    def use_policies(self, policies: Any) -> None:
+        """The :class:`~core_engine.policy.EnginePolicies` the engine consults (the gateway's
+        plugin hooks); before :meth:`start`, or at any time after (from the next step)."""
+        self._policies = policies
+        if self._llm is not None:
+            self._llm.engine.use_policies(policies)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -151,8 +201,9 @@ class CoreEngineBackend:
                 enable_prefix_caching=o.enable_prefix_caching,
                 num_threads=o.num_threads,
                 seed=o.seed,
+                speculation=self._spec_config,
             )
-            llm = AsyncLLM.from_config(config)
+            llm = AsyncLLM.from_config(config, policies=self._policies)
         except ValueError as exc:  # options this machine or file cannot run (weight_format...)
             raise BackendConfigError(f"backend {self.name!r}: cannot load {path}: {exc}") from exc
         except (OSError, RuntimeError) as exc:
@@ -205,12 +256,20 @@ class CoreEngineBackend:
             return {}
         scheduler = engine.scheduler
         admitted = scheduler.num_prompt_tokens_admitted
-        return {
+        figures = {
             "num_running": float(len(scheduler.running)),
             "num_waiting": float(len(scheduler.waiting)),
             "kv_cache_usage": float(engine.kv_cache_manager.usage),
             "prefix_cache_hit_rate": scheduler.num_prompt_tokens_cached / admitted if admitted else 0.0,
         }
+        speculator = engine.speculator
+        if speculator is not None:
+            figures["spec_decode_num_drafts"] = float(scheduler.num_spec_drafts)
+            figures["spec_decode_num_draft_tokens"] = float(scheduler.num_spec_draft_tokens)
+            figures["spec_decode_num_accepted_tokens"] = float(scheduler.num_spec_accepted_tokens)
+            if speculator.ngram is not None:
+                figures["spec_decode_ngram_seconds"] = speculator.ngram.seconds
+        return figures
 
     @property
     def engine(self) -> Any:
@@ -241,7 +300,9 @@ class CoreEngineBackend:
         stream = None
         try:
             try:
-                engine_request = llm.engine.make_request(req_id, prompt_ids, engine_params)
+                engine_request = llm.engine.make_request(
+                    req_id, prompt_ids, engine_params, labels=request.labels, tenant=request.tenant
+                )
             except RequestTooLongError as exc:
                 raise ContextLengthExceededError(
                     exc.message, param=prompt_param if exc.param == "prompt" else exc.param
@@ -281,6 +342,7 @@ class CoreEngineBackend:
                     finish_reason=out.finish_reason if final else None,  # type: ignore[arg-type]
                     usage=self._usage(out, eog) if final else None,
                     phases=_phases(out.metrics) if final and out.metrics is not None else None,
+                    speculation=_speculation(out.speculation) if final else None,
                 )
         except InfermuxError:
             raise
@@ -411,6 +473,17 @@ def _phases(metrics: Any) -> EnginePhases:
         queued_s=span(metrics.arrival_time, metrics.first_scheduled_time),
         prefill_s=span(metrics.first_scheduled_time, metrics.first_token_time),
         decode_s=span(metrics.first_token_time, metrics.finished_time),
+    )
+
+
+def _speculation(metrics: Any) -> SpeculationStats | None:
+    if metrics is None:
+        return None
+    return SpeculationStats(
+        method=metrics.method,
+        num_drafts=metrics.num_drafts,
+        num_draft_tokens=metrics.num_draft_tokens,
+        num_accepted_tokens=metrics.num_accepted_tokens,
     )
 
 

@@ -20,6 +20,7 @@ from core_engine.config import EngineConfig
 from core_engine.errors import EngineDeadError
 from core_engine.llm_engine import LLMEngine
 from core_engine.output import RequestOutput
+from core_engine.policy import EnginePolicies
 from core_engine.request import Request
 from core_engine.sampling_params import SamplingParams
 
@@ -55,9 +56,9 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="infermux-engine", daemon=True)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+    def from_config(cls, config: EngineConfig, *, policies: EnginePolicies | None = None) -> AsyncLLM:
         """Load the model (blocking; call from a worker thread in async code) and start."""
-        llm = cls(LLMEngine.from_config(config))
+        llm = cls(LLMEngine.from_config(config, policies=policies))
         llm.start()
         return llm
 

@@ -6,10 +6,42 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["EngineConfig", "resolve_dtype"]
+__all__ = ["EngineConfig", "SpeculationConfig", "resolve_dtype"]
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 WeightFormat = Literal["auto", "dense", "fp16", "int8"]
+
+
+class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding mechanisms the engine loads (see :mod:`core_engine.spec_decode`).
+
+    Which of them a request uses at a step, and how many tokens it proposes, is the
+    :class:`~core_engine.policy.SpeculationPolicy`'s answer, clipped to ``max_proposal``.
+    """
+
+    #: "ngram": prompt lookup (needs nothing); "draft": a second GGUF with the same vocabulary.
+    methods: tuple[Literal["ngram", "draft"], ...] = ("ngram",)
+    #: The draft model's GGUF (needed for "draft"; may be the target's own file).
+    draft_model_path: str | None = None
+    #: Most tokens one request proposes in one step.
+    max_proposal: int = 8
+    #: n-gram lookup: the longest suffix matched first, down to ``ngram_min`` tokens.
+    ngram_max: int = 3
+    ngram_min: int = 1
+    #: Draft model KV pool (None: as many blocks as the target's pool).
+    draft_kv_cache_memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise ValueError("speculation.methods: name at least one of 'ngram', 'draft'")
+        if "draft" in self.methods and not self.draft_model_path:
+            raise ValueError("speculation.draft_model_path: the 'draft' method needs a draft GGUF")
+        if self.max_proposal < 1:
+            raise ValueError(f"speculation.max_proposal must be >= 1, got {self.max_proposal}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"speculation: need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
+            )
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +77,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: torch.compile the pure-decode step (compiled at start-up: minutes on a small CPU; on
     #: the dev machine it cut decode step time by roughly a fifth at batch 1 and 16).
     compile_decode: bool = False
+    #: Speculative decoding (None: off, and nothing of it runs).
+    speculation: SpeculationConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):

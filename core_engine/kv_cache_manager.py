@@ -113,18 +113,24 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        *,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
         ``new_computed_blocks`` are prefix hits from :meth:`get_computed_blocks` (first
-        scheduling only). Returns the newly allocated blocks, or None (and changes nothing)
-        when the pool is short; the scheduler then preempts or waits.
+        scheduling only). ``num_lookahead_tokens`` more slots are for proposed (speculative)
+        tokens: allocated, never registered in the prefix cache, given back by
+        :meth:`trim` when rejected. Returns the newly allocated blocks, or None (and changes
+        nothing) when the pool is short; the scheduler then preempts or waits.
         """
         req_blocks = self.req_to_blocks.get(request.req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         assert num_total <= request.num_tokens, "cannot allocate slots for unknown tokens"
-        num_new_blocks = self.num_blocks_for(num_total) - len(req_blocks) - len(new_computed_blocks)
+        num_new_blocks = (
+            self.num_blocks_for(num_total + num_lookahead_tokens) - len(req_blocks) - len(new_computed_blocks)
+        )
         # Reviving a free cached block consumes a free-queue entry too.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_revived > self.block_pool.num_free_blocks:
@@ -157,6 +163,20 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.req_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the request's blocks past the first ``num_tokens`` tokens (rejected proposals'
+        slots); returns how many blocks went back to the pool."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        keep = self.num_blocks_for(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        # Only never-registered blocks can be past the known tokens (lookahead slots).
+        assert self._num_cached_blocks.get(request.req_id, 0) <= keep
+        excess = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(excess))
+        return len(excess)
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from core_engine.config import EngineConfig
 from core_engine.llm_engine import LLMEngine
 from core_engine.output import GenerationOutput
+from core_engine.policy import EnginePolicies
 from core_engine.sampling_params import SamplingParams
 
 __all__ = ["LLM"]
@@ -21,11 +22,12 @@ class LLM:
     """A model loaded into an engine for offline use (all prompts batched together).
 
     ``LLM("model.gguf", kv_cache_memory_bytes=2**28).generate(["Hello"], SamplingParams())``;
-    keyword arguments are :class:`~core_engine.config.EngineConfig` fields.
+    keyword arguments are :class:`~core_engine.config.EngineConfig` fields; ``policies`` the
+    engine consults (default: :class:`~core_engine.policy.EnginePolicies`).
     """
 
-    def __init__(self, model_path: str, **config: Any) -> None:
-        self.engine = LLMEngine.from_config(EngineConfig(model_path=str(model_path), **config))
+    def __init__(self, model_path: str, *, policies: EnginePolicies | None = None, **config: Any) -> None:
+        self.engine = LLMEngine.from_config(EngineConfig(model_path=str(model_path), **config), policies=policies)
         self._counter = 0
 
     @property
@@ -86,5 +88,6 @@ class LLM:
                         res.stop_reason = out.stop_reason
                         res.num_cached_tokens = out.num_cached_tokens
                         res.metrics = out.metrics
+                        res.speculation = out.speculation
                         bar.update(1)
         return [results[r] for r in order]

@@ -8,6 +8,7 @@ thread.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -18,10 +19,15 @@ from core_engine.errors import InvalidParamError, RequestTooLongError
 from core_engine.kv_cache_manager import KVCacheManager
 from core_engine.model_runner import ModelRunner
 from core_engine.output import RequestMetrics, RequestOutput, TokenLogprobs
+from core_engine.output import SpeculationMetrics
 from core_engine.paged_attention import KVCache
+from core_engine.policy import EnginePolicies
 from core_engine.request import Request, RequestStatus
 from core_engine.sampling_params import SamplingParams
 from core_engine.scheduler import Scheduler
+from core_engine.spec_decode.draft import DraftProposer
+from core_engine.spec_decode.ngram import NgramProposer
+from core_engine.spec_decode.speculator import Speculator
 from core_engine.stop_checker import StopChecker
 from core_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -52,6 +58,8 @@ class LLMEngine:
         tokenizer: Tokenizer,
         *,
         dtype: torch.dtype,
+        policies: EnginePolicies | None = None,
+        draft_model: torch.nn.Module | None = None,
     ) -> None:
         model_config: Any = model.config  # LlamaConfig
         self.config = config
@@ -86,14 +94,65 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(tokenizer.stop_token_ids)
         self._states: dict[str, _OutputState] = {}
+        self.policies = policies or EnginePolicies()
+        self.speculator = self._build_speculator(config, num_blocks, block_bytes, dtype, draft_model)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s), max_model_len %d",
             num_blocks, config.block_size, num_blocks * block_bytes / 2**20, dtype, self.max_model_len,
         )
 
+    def _build_speculator(
+        self, config: EngineConfig, num_blocks: int, block_bytes: int, dtype: torch.dtype,
+        draft_model: torch.nn.Module | None,
+    ) -> Speculator | None:
+        spec = config.speculation
+        if spec is None:
+            return None
+        ngram = NgramProposer(ngram_max=spec.ngram_max, ngram_min=spec.ngram_min) if "ngram" in spec.methods else None
+        draft = None
+        if "draft" in spec.methods:
+            if draft_model is None:
+                raise ValueError("speculation.methods has 'draft' but no draft model was given")
+            draft_config: Any = draft_model.config
+            if draft_config.vocab_size != self.model_config.vocab_size:
+                raise ValueError(
+                    f"speculation.draft_model_path: the draft's vocabulary ({draft_config.vocab_size} "
+                    f"tokens) is not the target's ({self.model_config.vocab_size})"
+                )
+            draft_block_bytes = KVCache.bytes_per_block(
+                num_layers=draft_config.num_layers, block_size=config.block_size,
+                num_kv_heads=draft_config.num_kv_heads, head_dim=draft_config.head_dim, dtype=dtype,
+            )
+            draft_blocks = (
+                num_blocks
+                if spec.draft_kv_cache_memory_bytes is None
+                else max(1, spec.draft_kv_cache_memory_bytes // draft_block_bytes)
+            )
+            draft = DraftProposer(
+                draft_model, num_blocks=draft_blocks, block_size=config.block_size, dtype=dtype,
+                device=config.device, generator=self.model_runner.sampler.generator,
+            )
+            logger.info(
+                "draft model: %d layers, KV %d blocks (%.0f MiB)",
+                draft_config.num_layers, draft_blocks, draft_blocks * draft_block_bytes / 2**20,
+            )
+        speculator = Speculator(
+            methods=spec.methods, max_proposal=spec.max_proposal, max_model_len=self.max_model_len,
+            policy=self.policies.speculation, ngram=ngram, draft=draft,
+        )
+        self.scheduler.release_listeners.append(speculator.release)
+        logger.info("speculative decoding: %s, at most %d tokens per proposal", ", ".join(spec.methods), spec.max_proposal)
+        return speculator
+
+    def use_policies(self, policies: EnginePolicies) -> None:
+        """Consult ``policies`` from the next step on."""
+        self.policies = policies
+        if self.speculator is not None:
+            self.speculator.policy = policies.speculation
+
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the GGUF named by ``config.model_path`` and build the engine."""
+    def from_config(cls, config: EngineConfig, *, policies: EnginePolicies | None = None) -> LLMEngine:
+        """Load the GGUF named by ``config.model_path`` (and a draft model) and build the engine."""
         from core_engine.gguf_loader import load_model
 
         if config.num_threads is not None and config.device == "cpu":
@@ -102,7 +161,18 @@ class LLMEngine:
         model, _, tokenizer = load_model(config.model_path, dtype=dtype, device=config.device)
         weight_format = model.set_weight_format(config.weight_format)
         logger.info("matmul weights: %s (%.0f MiB)", weight_format, model.matmul_weight_bytes() / 2**20)
-        return cls(config, model, tokenizer, dtype=dtype)
+        draft_model = None
+        spec = config.speculation
+        if spec is not None and "draft" in spec.methods:
+            assert spec.draft_model_path is not None
+            if os.path.realpath(spec.draft_model_path) == os.path.realpath(config.model_path):
+                draft_model = model  # its own draft (exactness tests): one copy of the weights
+            else:
+                draft_model, _, draft_tokenizer = load_model(spec.draft_model_path, dtype=dtype, device=config.device)
+                draft_model.set_weight_format(config.weight_format)
+                if draft_tokenizer.stop_token_ids != tokenizer.stop_token_ids:
+                    raise ValueError("speculation.draft_model_path: the draft's tokenizer is not the target's")
+        return cls(config, model, tokenizer, dtype=dtype, policies=policies, draft_model=draft_model)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -113,8 +183,11 @@ class LLMEngine:
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
+        labels: dict[str, str] | None = None,
+        tenant: str | None = None,
     ) -> Request:
-        """Validate and tokenize (no engine state touched: safe from any thread)."""
+        """Validate and tokenize (no engine state touched: safe from any thread). ``labels``
+        and ``tenant`` are what the speculation policy sees of the request's origin."""
         if isinstance(prompt, str):
             prompt_ids = self.tokenizer.encode(prompt, add_special=True, parse_special=True)
         else:
@@ -152,7 +225,7 @@ class LLMEngine:
             )
         request = Request(
             req_id, prompt_ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival_time,
+            arrival_time=arrival_time, labels=labels, tenant=tenant,
         )
         if params.seed is not None and params.temperature > 0.0:
             request.generator = torch.Generator(device=self.model_runner.device).manual_seed(params.seed)
@@ -195,6 +268,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return the news of every request that made progress."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
@@ -205,9 +280,20 @@ class LLMEngine:
     def _make_output(self, request: Request) -> RequestOutput:
         state = self._states[request.req_id]
         new_ids = request.output_token_ids[state.num_emitted_tokens :]
-        state.num_emitted_tokens = request.num_output_tokens
         checker = state.stop_checker
-        text = checker.append(state.detokenizer.add_many(new_ids))
+        if len(new_ids) > 1 and checker.stop:
+            # Several tokens in one step (a verified proposal): a stop string ends the output at
+            # the token that completed it, as one-token steps would have.
+            text = ""
+            for j, token_id in enumerate(new_ids):
+                text += checker.append(state.detokenizer.add_many([token_id]))
+                if checker.matched is not None:
+                    self._drop_tail(request, len(new_ids) - j - 1)
+                    new_ids = new_ids[: j + 1]
+                    break
+        else:
+            text = checker.append(state.detokenizer.add_many(new_ids))
+        state.num_emitted_tokens = request.num_output_tokens
         if checker.matched is None and request.is_finished:
             text += checker.append(state.detokenizer.flush())
             text += checker.flush()
@@ -252,7 +338,25 @@ class LLMEngine:
             )
             if finished
             else None,
+            speculation=SpeculationMetrics(
+                method=request.spec_method,
+                num_drafts=request.num_drafts,
+                num_draft_tokens=request.num_draft_tokens,
+                num_accepted_tokens=request.num_accepted_tokens,
+            )
+            if finished and self.speculator is not None
+            else None,
         )
+
+    @staticmethod
+    def _drop_tail(request: Request, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` output tokens (past a stop string)."""
+        if num_tokens <= 0:
+            return
+        del request.output_token_ids[-num_tokens:]
+        del request.all_token_ids[-num_tokens:]
+        if request.pending_logprobs:
+            del request.pending_logprobs[-num_tokens:]
 
     # -- introspection ---------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from core_engine.paged_attention import KVCache, PagedAttention, build_attention
 from core_engine.request import Request
 from core_engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from core_engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from core_engine.spec_decode.rejection import verify_proposals
 
 __all__ = ["ModelRunner"]
 
@@ -85,42 +86,64 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Forward the step's tokens, sample where a chunk reaches the end of its known tokens."""
+        """Forward the step's tokens, sample where a chunk reaches the end of its known tokens,
+        and verify proposed tokens (:mod:`core_engine.spec_decode.rejection`)."""
         scheduled = scheduler_output.scheduled
         input_ids: list[int] = []
         positions: list[int] = []
-        decodes: list[tuple[int, list[int]]] = []
+        decodes: list[tuple[int, list[int]] | tuple[int, list[int], int]] = []
         prefills: list[tuple[int, int, list[int]]] = []
         logits_indices: list[int] = []
         # Per scheduled request: (first logits row, number of prompt-logprob rows) or None.
-        prompt_rows: list[tuple[int, int] | None] = []
-        sample_reqs: list[Request] = []
+        prompt_rows: list[tuple[int, int] | None] = [None] * len(scheduled)
+        sample_items: list[int] = []
         sample_rows: list[int] = []
-        for item in scheduled:
+        # Speculative items: (item index, first logits row); their 1 + k rows are consecutive.
+        spec_items: list[tuple[int, int]] = []
+        # Attention wants all decodes before the prefill chunks; the Triton decode kernel takes
+        # one token per decode, so there a multi-token decode runs as a (short) prefill chunk.
+        multi_as_prefill = self.attn.uses_kernel
+        is_decode = [
+            it.num_computed_tokens > 0
+            and it.num_new_tokens - len(it.spec_token_ids) == 1
+            and not (it.spec_token_ids and multi_as_prefill)
+            for it in scheduled
+        ]
+        order = [i for i in range(len(scheduled)) if is_decode[i]] + [
+            i for i in range(len(scheduled)) if not is_decode[i]
+        ]
+        for i in order:
+            item = scheduled[i]
             request = item.request
             start, num_new = item.num_computed_tokens, item.num_new_tokens
             end = start + num_new
-            input_ids.extend(request.all_token_ids[start:end])
+            spec = item.spec_token_ids
+            if spec:
+                input_ids.extend(request.all_token_ids[start : end - len(spec)])
+                input_ids.extend(spec)
+            else:
+                input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             token_offset = len(input_ids) - num_new
-            if num_new == 1 and start > 0:
-                assert not prefills, "decodes must precede prefills in a step"
-                decodes.append((start, item.block_ids))
+            if is_decode[i]:
+                decodes.append((start, item.block_ids, num_new) if spec else (start, item.block_ids))
             else:
                 prefills.append((start, num_new, item.block_ids))
-            prompt_rows.append(None)
             if request.wants_prompt_logprobs:
                 # Position p predicts prompt token p + 1; skip rows already computed before a
                 # preemption (the list only grows).
                 first = max(start, len(request.prompt_logprobs))
                 last = min(end, request.num_prompt_tokens - 1)
                 if first < last:
-                    prompt_rows[-1] = (len(logits_indices), last - first)
+                    prompt_rows[i] = (len(logits_indices), last - first)
                     logits_indices.extend(range(token_offset + first - start, token_offset + last - start))
-            if item.sample:
+            if spec:
+                spec_items.append((i, len(logits_indices)))
+                logits_indices.extend(range(len(input_ids) - num_new, len(input_ids)))
+            elif item.sample:
                 sample_rows.append(len(logits_indices))
                 logits_indices.append(len(input_ids) - 1)
-                sample_reqs.append(request)
+                sample_items.append(i)
 
         device = self.device
         self.attn.prepare(
@@ -132,7 +155,8 @@ class ModelRunner:
                 use_kernel=self.attn.uses_kernel,
             )
         )
-        forward = self._decode_forward if self._decode_forward is not None and not prefills else self.model
+        compiled = self._decode_forward is not None and not prefills and not spec_items
+        forward = self._decode_forward if compiled else self.model
         logits = forward(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
@@ -142,23 +166,35 @@ class ModelRunner:
 
         sampled: list[int | None] = [None] * len(scheduled)
         logprobs: list[object | None] | None = None
-        if sample_reqs:
+        if sample_items:
             rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
+            sample_reqs = [scheduled[i].request for i in sample_items]
             metadata = SamplingMetadata.from_requests(sample_reqs, self.vocab_size, device)
             out = self.sampler(rows, metadata)
-            j = 0
             if out.logprobs is not None:
                 logprobs = [None] * len(scheduled)
-            for i, item in enumerate(scheduled):
-                if item.sample:
-                    sampled[i] = out.sampled_token_ids[j]
-                    if logprobs is not None and out.logprobs is not None:
-                        logprobs[i] = out.logprobs[j]
-                    j += 1
+            for j, i in enumerate(sample_items):
+                sampled[i] = out.sampled_token_ids[j]
+                if logprobs is not None and out.logprobs is not None:
+                    logprobs[i] = out.logprobs[j]
 
-        prompt_logprobs: list[list[object] | None] | None = None
+        output = ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        if spec_items:
+            row_index = [r for i, row0 in spec_items for r in range(row0, row0 + len(scheduled[i].spec_token_ids) + 1)]
+            groups = [
+                (scheduled[i].request, scheduled[i].spec_token_ids, scheduled[i].request.spec_draft_probs)
+                for i, _ in spec_items
+            ]
+            verified = verify_proposals(
+                logits[row_index], groups, self.vocab_size, generator=self.sampler.generator
+            )
+            for (i, _), (tokens, records) in zip(spec_items, verified, strict=True):
+                output.spec_token_ids[i] = tokens
+                if records is not None:
+                    output.spec_logprobs[i] = records
+
         if any(r is not None for r in prompt_rows):
-            prompt_logprobs = [None] * len(scheduled)
+            prompt_logprobs: list[list[object] | None] = [None] * len(scheduled)
             for i, (item, rows_span) in enumerate(zip(scheduled, prompt_rows, strict=True)):
                 if rows_span is None:
                     continue
@@ -168,4 +204,5 @@ class ModelRunner:
                 targets = request.prompt_token_ids[first + 1 : first + 1 + count]
                 num_top = request.sampling_params.prompt_logprobs or 0
                 prompt_logprobs[i] = list(compute_prompt_logprobs(logits[row0 : row0 + count], targets, num_top))
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            output.prompt_logprobs = prompt_logprobs
+        return output

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["GenerationOutput", "RequestMetrics", "RequestOutput", "TokenLogprobs"]
+__all__ = ["GenerationOutput", "RequestMetrics", "RequestOutput", "SpeculationMetrics", "TokenLogprobs"]
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -24,6 +24,17 @@ class RequestMetrics(msgspec.Struct, frozen=True, kw_only=True):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+
+
+class SpeculationMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """Speculative decoding of one request (engines with speculation configured)."""
+
+    #: The method of the last proposal ("ngram" / "draft"), None if nothing was proposed.
+    method: str | None = None
+    #: Proposals verified, tokens proposed, proposed tokens accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,6 +62,9 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     #: Prompt tokens served from the prefix cache (None before first scheduling).
     num_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
+    speculation: SpeculationMetrics | None = None
+    #: On the last output, when the engine has speculation configured.
+    speculation: SpeculationMetrics | None = None
 
 
 class GenerationOutput(msgspec.Struct, kw_only=True):
@@ -67,3 +81,4 @@ class GenerationOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
+    speculation: SpeculationMetrics | None = None

@@ -11,7 +11,11 @@ contract with ``core_engine/kernels``, also in :mod:`core_engine.kv_cache_manage
 * decode batches pass ``block_tables`` ``(num_seqs, max_blocks)`` int32 and ``context_lens``
   ``(num_seqs,)`` int32 (attention length including the new token).
 
-One step's tokens are laid out decodes first (one token each), then prefill chunks. Per layer,
+One step's tokens are laid out decodes first, then prefill chunks. A decode is one new token,
+or (speculative decoding) the last sampled token plus the proposed ones: a *multi-token
+decode* of ``q`` queries, query ``i`` at position ``p + i`` seeing keys ``0..p + i``. On the
+torch path all decodes of a step, single- and multi-token, are one batched attention call
+(queries padded to the longest, masked). Per layer,
 :meth:`PagedAttention.forward` first writes the step's new K/V into their slots (so a prefix
 block cached by another request this same step is already filled when read), then attends:
 decodes in one batched call, each prefill chunk causally over its cached prefix plus itself.
@@ -97,30 +101,47 @@ class AttentionMetadata:
     #: (D, max_blocks) int32 and (D,) int32 for the decodes (see layout).
     block_tables: Tensor | None
     context_lens: Tensor | None
-    #: CPU decode path: (D * S,) slots of each decode's context, padded, and (D, 1, 1, S) mask.
+    #: CPU decode path: (D * S,) slots of each decode's context, padded, and (D, 1, 1, S) mask
+    #: ((D, Q, S) per query when a decode has several tokens).
     decode_slots: Tensor | None
     decode_mask: Tensor | None
     prefills: list[PrefillSpan]
+    #: Multi-token decodes only: the longest decode's token count ``Q``, the flat row of each
+    #: padded query ``(D * Q,)`` (padding repeats row 0), and the padded rows that are real
+    #: ``(num_decode_tokens,)``. None when every decode has one token.
+    decode_max_queries: int = 1
+    decode_query_rows: Tensor | None = None
+    decode_real_rows: Tensor | None = None
+    #: Tokens of all decodes (== ``num_decodes`` without multi-token decodes).
+    num_decode_tokens: int = 0
 
 
 def build_attention_metadata(
     *,
     block_size: int,
-    decodes: Sequence[tuple[int, Sequence[int]]],
+    decodes: Sequence[tuple[int, Sequence[int]] | tuple[int, Sequence[int], int]],
     prefills: Sequence[tuple[int, int, Sequence[int]]],
     device: torch.device,
     use_kernel: bool,
 ) -> AttentionMetadata:
     """Build the metadata of one step.
 
-    ``decodes``: ``(position, block_ids)`` per decode sequence (one new token at ``position``).
+    ``decodes``: ``(position, block_ids)`` per decode sequence (one new token at ``position``),
+    or ``(position, block_ids, num_tokens)`` for a multi-token decode (tokens at ``position``
+    .. ``position + num_tokens - 1``; torch path only: the Triton decode kernel takes one).
     ``prefills``: ``(num_computed_tokens, num_new_tokens, block_ids)`` per prefill chunk.
     """
     slots: list[int] = []
-    for pos, blocks in decodes:
-        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    lens = [d[2] if len(d) == 3 else 1 for d in decodes]  # type: ignore[misc]
+    max_q = max(lens, default=1)
+    if max_q > 1 and use_kernel:
+        raise ValueError("the Triton decode kernel takes one token per decode: pass prefills")
+    for (pos, blocks, *_), n in zip(decodes, lens, strict=True):
+        for p in range(pos, pos + n):
+            slots.append(blocks[p // block_size] * block_size + p % block_size)
+    num_decode_tokens = len(slots)
     spans: list[PrefillSpan] = []
-    start = len(decodes)
+    start = num_decode_tokens
     offsets = torch.arange(block_size, device=device)
     for num_computed, num_new, blocks in prefills:
         end_pos = num_computed + num_new
@@ -135,21 +156,35 @@ def build_attention_metadata(
             spans.append(PrefillSpan(start, start + num_new, num_computed, ctx_slots[:end_pos], mask))
         start += num_new
     block_tables = context_lens = decode_slots = decode_mask = None
+    query_rows = real_rows = None
     if decodes:
-        max_blocks = max(len(b) for _, b in decodes)
+        max_blocks = max(len(d[1]) for d in decodes)
         block_tables = torch.tensor(
-            [list(b) + [0] * (max_blocks - len(b)) for _, b in decodes], dtype=torch.int32, device=device
+            [list(d[1]) + [0] * (max_blocks - len(d[1])) for d in decodes], dtype=torch.int32, device=device
         )  # (D, max_blocks)
-        context_lens = torch.tensor([pos + 1 for pos, _ in decodes], dtype=torch.int32, device=device)
+        context_lens = torch.tensor(
+            [d[0] + n for d, n in zip(decodes, lens, strict=True)], dtype=torch.int32, device=device
+        )
         if not use_kernel:
-            max_len = max(pos + 1 for pos, _ in decodes)
+            max_len = int(context_lens.max())
             # (D, max_blocks * block_size) -> the first max_len slots of each context.
             decode_slots = (
                 (block_tables.long().unsqueeze(2) * block_size + offsets).flatten(1)[:, :max_len].reshape(-1)
             )  # (D * max_len,)
-            decode_mask = (
-                torch.arange(max_len, device=device).unsqueeze(0) < context_lens.unsqueeze(1)
-            ).view(len(decodes), 1, 1, max_len)
+            keys = torch.arange(max_len, device=device)
+            if max_q == 1:
+                decode_mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, max_len)
+            else:
+                # Query i of decode d sits at position context_len - n_d + i.
+                n = torch.tensor(lens, device=device)
+                first = context_lens.long() - n  # (D,)
+                qi = torch.arange(max_q, device=device)
+                q_pos = first.unsqueeze(1) + qi.unsqueeze(0)  # (D, Q)
+                decode_mask = keys.view(1, 1, -1) <= q_pos.unsqueeze(2)  # (D, Q, S)
+                row0 = torch.cumsum(n, 0) - n  # first flat row of each decode
+                valid = qi.unsqueeze(0) < n.unsqueeze(1)  # (D, Q)
+                query_rows = torch.where(valid, row0.unsqueeze(1) + qi.unsqueeze(0), 0).view(-1)
+                real_rows = valid.view(-1).nonzero().squeeze(1)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decodes=len(decodes),
@@ -158,6 +193,10 @@ def build_attention_metadata(
         decode_slots=decode_slots,
         decode_mask=decode_mask,
         prefills=spans,
+        decode_max_queries=max_q,
+        decode_query_rows=query_rows,
+        decode_real_rows=real_rows,
+        num_decode_tokens=num_decode_tokens,
     )
 
 
@@ -196,6 +235,7 @@ class PagedAttention:
         self.head_dim = kv_cache.head_dim
         self.scale = kv_cache.head_dim**-0.5
         self.metadata: AttentionMetadata | None = None
+        self._multi_mask: Tensor | None = None
         device = kv_cache.storage.device
         kernels = _load_kernels(device, use_kernels)
         self._decode_kernel, self._cache_kernel = kernels if kernels is not None else (None, None)
@@ -206,6 +246,13 @@ class PagedAttention:
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
+        self._multi_mask = None
+        if metadata.decode_query_rows is not None and metadata.decode_mask is not None:
+            # (D, Q, S) -> (D, 1, Q * G, S): the G query heads of a kv head are G rows per query.
+            d, q, s = metadata.decode_mask.shape
+            self._multi_mask = (
+                metadata.decode_mask.unsqueeze(2).expand(d, q, self.group, s).reshape(d, 1, q * self.group, s)
+            )
 
     def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: (T, n_heads, hd); k, v: (T, n_kv_heads, hd). Returns (T, n_heads, hd)."""
@@ -220,7 +267,7 @@ class PagedAttention:
         else:
             k_slots.index_copy_(0, md.slot_mapping, k)
             v_slots.index_copy_(0, md.slot_mapping, v)
-        num_d = md.num_decodes
+        num_d = md.num_decode_tokens
         if not md.prefills:
             return self._decode(layer_idx, q, md)
         out = torch.empty_like(q)
@@ -241,11 +288,21 @@ class PagedAttention:
                 md.block_tables, md.context_lens, self.scale,
             )
         assert md.decode_slots is not None and md.decode_mask is not None
+        num_d = md.num_decodes
         # Gather each context's keys: (D*S, n_kv, hd) -> (D, n_kv, S, hd). index_select on the
         # flat slot list is several times faster on CPU than advanced indexing.
         shape = (num_d, md.decode_mask.shape[-1], self.num_kv_heads, self.head_dim)
         keys = self.kv_cache.k_slots[layer_idx].index_select(0, md.decode_slots).view(shape).transpose(1, 2)
         values = self.kv_cache.v_slots[layer_idx].index_select(0, md.decode_slots).view(shape).transpose(1, 2)
+        if md.decode_query_rows is not None:
+            assert md.decode_real_rows is not None and self._multi_mask is not None
+            nq, g, hd, nkv = md.decode_max_queries, self.group, self.head_dim, self.num_kv_heads
+            # Padded queries (D, Q, n_kv, G, hd) -> (D, n_kv, Q * G, hd): one masked call.
+            q_ = q.index_select(0, md.decode_query_rows).view(num_d, nq, nkv, g, hd)
+            q_ = q_.permute(0, 2, 1, 3, 4).reshape(num_d, nkv, nq * g, hd)
+            out = F.scaled_dot_product_attention(q_, keys, values, attn_mask=self._multi_mask, scale=self.scale)
+            out = out.view(num_d, nkv, nq, g, hd).permute(0, 2, 1, 3, 4).reshape(num_d * nq, self.num_heads, hd)
+            return out.index_select(0, md.decode_real_rows)
         # The G query heads sharing a kv head act as G query rows: (D, n_kv, G, hd).
         q_ = q.reshape(num_d, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(q_, keys, values, attn_mask=md.decode_mask, scale=self.scale)

@@ -33,6 +33,7 @@ __all__ = [
     "AdaptiveSpeculationPolicy",
     "DefaultQuantizationPolicy",
     "EnginePolicies",
+    "FixedSpeculationPolicy",
     "KVCacheDType",
     "KVOffloadContext",
     "KVOffloadDecision",
@@ -231,6 +232,8 @@ class SpeculationContext(msgspec.Struct, frozen=True, kw_only=True):
     num_accepted_tokens: int = 0
     #: The request's labels (``GenerationRequest.labels``) when the engine has them.
     labels: Mapping[str, str] = {}
+    #: The tenant the gateway resolved for the request (``GenerationRequest.tenant``).
+    tenant: str | None = None
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -294,6 +297,25 @@ class AdaptiveSpeculationPolicy:
         else:
             k = max(1, min(self.max_tokens, round(self.max_tokens * rate)))
         return SpeculationDecision(method=method, num_speculative_tokens=k)
+
+
+class FixedSpeculationPolicy:
+    """Always ``num_tokens`` with ``method`` (or the first method loaded), at any batch size.
+
+    For measurements and exactness tests; serving wants :class:`AdaptiveSpeculationPolicy`.
+    """
+
+    def __init__(self, num_tokens: int, method: SpeculationMethod | None = None) -> None:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        self.num_tokens = num_tokens
+        self.method = method
+
+    def choose_speculation(self, context: SpeculationContext) -> SpeculationDecision:
+        method = self.method if self.method is not None else (context.methods[0] if context.methods else None)
+        if method is None or method not in context.methods:
+            return SpeculationDecision()
+        return SpeculationDecision(method=method, num_speculative_tokens=self.num_tokens)
 
 
 # -- the bundle the engine receives ---------------------------------------------------------

@@ -62,6 +62,8 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
+        labels: dict[str, str] | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -87,9 +89,21 @@ class Request:
         self.pending_logprobs: list[Any] = []
         self.prompt_logprobs: list[Any] = []
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        #: What the speculation policy sees of the request's origin (labels, tenant).
+        self.labels: dict[str, str] = dict(labels or {})
+        self.tenant = tenant
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        #: Speculative decoding: this step's proposed tokens (after the last sampled one), the
+        #: draft's probabilities for them when it sampled (k, vocab) (None: point-mass proposals),
+        #: the method that proposed them, and the request's totals so far.
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: Any = None
+        self.spec_method: str | None = None
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def num_tokens(self) -> int:

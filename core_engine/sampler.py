@@ -18,7 +18,7 @@ from torch import Tensor
 from core_engine.output import TokenLogprobs
 from core_engine.request import Request
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "compute_prompt_logprobs"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "compute_prompt_logprobs", "sampling_probs"]
 
 
 def _padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> Tensor:
@@ -160,6 +160,26 @@ def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
     return logits.index_copy(0, rows, sub)
 
 
+def sampling_probs(logits: Tensor, md: SamplingMetadata) -> Tensor:
+    """The distribution a random row draws from: temperature, then top-k, top-p, min-p.
+
+    (B, V) penalised logits -> (B, V) probabilities (unnormalised after min-p: ``multinomial``
+    normalises). Rows with temperature 0 get the temperature-1 distribution (callers take the
+    argmax there).
+    """
+    assert md.temperature is not None
+    x = logits / md.temperature  # (B, V)
+    if md.top_k is not None:
+        x = apply_top_k(x, md.top_k, md.max_top_k)
+    if md.top_p is not None:
+        x = apply_top_p(x, md.top_p)
+    probs = x.softmax(dim=-1)
+    if md.min_p is not None:
+        peak = probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < md.min_p * peak, 0.0)
+    return probs
+
+
 class Sampler:
     """Samples one token per row of the batch's logits. ``generator`` (optional) drives the rows
     of requests that bring no seed of their own (an engine-wide seed)."""
@@ -179,20 +199,11 @@ class Sampler:
         sampled_list = sampled.tolist()
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, sampled, sampled_list, md)
+            logprobs = gather_logprobs(raw_logprobs, sampled, sampled_list, md)
         return SamplerOutput(sampled_token_ids=sampled_list, logprobs=logprobs)
 
     def _sample_random(self, logits: Tensor, md: SamplingMetadata) -> Tensor:
-        assert md.temperature is not None
-        x = logits / md.temperature  # (B, V)
-        if md.top_k is not None:
-            x = apply_top_k(x, md.top_k, md.max_top_k)
-        if md.top_p is not None:
-            x = apply_top_p(x, md.top_p)
-        probs = x.softmax(dim=-1)
-        if md.min_p is not None:
-            peak = probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < md.min_p * peak, 0.0)
+        probs = sampling_probs(logits, md)
         if md.generators:
             sampled = torch.empty(md.num_rows, dtype=torch.long, device=logits.device)
             unseeded = [i for i in range(md.num_rows) if i not in md.generators]
@@ -208,7 +219,7 @@ class Sampler:
         return sampled
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw: Tensor, sampled: Tensor, sampled_list: list[int], md: SamplingMetadata
 ) -> list[TokenLogprobs | None]:
     token_lp = raw.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()  # (B,)

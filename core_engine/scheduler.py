@@ -1,19 +1,23 @@
-"""Continuous batching with chunked prefill and recompute preemption.
+"""Continuous batching with chunked prefill, recompute preemption and speculative decodes.
 
 Each :meth:`Scheduler.schedule` call builds one step under a token budget
 (``max_num_batched_tokens``): running requests first (decodes take one token each, an
 unfinished prefill takes the next chunk), then waiting requests in arrival order, their prompt
 cut into chunks so that a long prompt never stalls the running decodes. When the KV pool cannot
 grow a running request, the newest running request is preempted (blocks freed, recomputed later)
-instead of failing. :meth:`Scheduler.update_from_output` appends the sampled tokens, applies the
-token-level stop rules and frees finished requests.
+instead of failing. A decode whose request carries proposed tokens (``Request.spec_token_ids``,
+set by :mod:`core_engine.spec_decode` before the step) takes ``1 + k`` tokens of the budget and
+lookahead KV slots; when the budget or the pool is short its proposal shrinks or goes before
+anyone is preempted. :meth:`Scheduler.update_from_output` appends the sampled tokens (several
+for a verified proposal) one at a time through the token-level stop rules, gives the rejected
+proposals' blocks back, and frees finished requests.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from core_engine.kv_cache_manager import KVCacheManager
@@ -35,6 +39,9 @@ class ScheduledRequest:
     block_ids: list[int]
     #: True when this chunk reaches the last known token, so a new token is sampled.
     sample: bool
+    #: Proposed tokens fed after the last known one (speculative decoding; counted in
+    #: ``num_new_tokens``): the runner verifies them and samples up to ``len + 1`` tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -63,6 +70,11 @@ class ModelRunnerOutput:
     logprobs: list[object | None] | None = None
     #: Per request: prompt logprob records computed this step (None when not asked for).
     prompt_logprobs: list[list[object] | None] | None = None
+    #: Speculative items (index into ``scheduled``): every token the verification emitted,
+    #: in order (accepted proposals, then the target's own token), and their logprob records
+    #: (None when not asked for). ``sampled_token_ids`` is None at those indices.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[int, list[object]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -91,6 +103,15 @@ class Scheduler:
         #: (counted once per request, at first admission; metrics).
         self.num_prompt_tokens_admitted = 0
         self.num_prompt_tokens_cached = 0
+        #: Called with each request whose KV blocks were freed (finish, abort, preemption):
+        #: the draft model frees its own blocks for it.
+        self.release_listeners: list[Callable[[Request], None]] = []
+        #: Speculative decoding totals (vLLM's spec_decode counters), and accepted tokens by
+        #: position in the proposal (index 0: the first proposed token).
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
+        self.num_spec_accepted_per_pos: list[int] = []
 
     # -- queue management ------------------------------------------------------------------
 
@@ -118,7 +139,10 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         request.finished_time = time.monotonic()
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         del self.requests[request.req_id]
+        for listener in self.release_listeners:
+            listener(request)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -131,6 +155,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
+        for listener in self.release_listeners:
+            listener(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -151,6 +178,17 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request with nothing to compute: {request}"
+            if request.spec_token_ids:
+                # A proposal rides on a decode only, within the budget, and only where the
+                # pool has room without preempting anyone.
+                num_spec = min(len(request.spec_token_ids), budget - 1) if num_new == 1 else 0
+                if num_spec and kv.allocate_slots(request, 1, num_lookahead_tokens=num_spec) is not None:
+                    del request.spec_token_ids[num_spec:]
+                    self._append(request, 1, decodes, prefills)
+                    budget -= 1 + num_spec
+                    i += 1
+                    continue
+                request.spec_token_ids = []
             while kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -200,12 +238,14 @@ class Scheduler:
         prefills: list[ScheduledRequest],
     ) -> None:
         start = request.num_computed_tokens
+        spec = list(request.spec_token_ids) if num_new == 1 else []
         item = ScheduledRequest(
             request=request,
             num_computed_tokens=start,
-            num_new_tokens=num_new,
+            num_new_tokens=num_new + len(spec),
             block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
             sample=start + num_new == request.num_tokens,
+            spec_token_ids=spec,
         )
         (decodes if num_new == 1 and start > 0 else prefills).append(item)
 
@@ -224,6 +264,11 @@ class Scheduler:
         for idx, item in enumerate(scheduler_output.scheduled):
             request = item.request
             if request.is_finished:  # finished by the caller between schedule and update
+                continue
+            if item.spec_token_ids:
+                self._apply_verified(request, item, runner_output.spec_token_ids[idx],
+                                     runner_output.spec_logprobs.get(idx), now)
+                updated.append(request)
                 continue
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             produced = False
@@ -244,3 +289,36 @@ class Scheduler:
             if produced:
                 updated.append(request)
         return updated
+
+    def _apply_verified(
+        self, request: Request, item: ScheduledRequest, tokens: list[int], logprobs: list[object] | None, now: float
+    ) -> None:
+        """Append a verified proposal's tokens one at a time, as plain decoding would have."""
+        num_proposed = len(item.spec_token_ids)
+        num_accepted = len(tokens) - 1
+        request.spec_token_ids = []
+        request.spec_draft_probs = None
+        request.num_drafts += 1
+        request.num_draft_tokens += num_proposed
+        request.num_accepted_tokens += num_accepted
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_proposed
+        self.num_spec_accepted_tokens += num_accepted
+        per_pos = self.num_spec_accepted_per_pos
+        per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+        # The last known token and the accepted proposals now have valid K/V.
+        request.num_computed_tokens = item.num_computed_tokens + 1 + num_accepted
+        if request.first_token_time is None:
+            request.first_token_time = now
+        for j, token_id in enumerate(tokens):
+            request.append_output_token(token_id)
+            if logprobs is not None:
+                request.pending_logprobs.append(logprobs[j])
+            if request.check_stop(self.max_model_len):
+                self.running.remove(request)
+                self._free_request(request)
+                return
+        # The rejected proposals' slots: blocks past the known tokens go back to the pool.
+        self.kv_cache_manager.trim(request, request.num_tokens)

@@ -25,7 +25,7 @@ from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from backends.base import EnginePhases, GenerationChunk, GenerationRequest, Usage
+from backends.base import EnginePhases, GenerationChunk, GenerationRequest, SpeculationStats, Usage
 from backends.errors import (
     GenerationAbortedError,
     InfermuxError,
@@ -62,6 +62,7 @@ class ChoiceState:
         "last_output_at",
         "output_gaps",
         "phases",
+        "speculation",
         "text_parts",
     )
 
@@ -82,6 +83,8 @@ class ChoiceState:
         self.output_gaps = array("d")
         #: Engine phases from the backend's last chunk (core engine), for tracing.
         self.phases: EnginePhases | None = None
+        #: Speculative decoding figures from the backend's last chunk, for tracing.
+        self.speculation: SpeculationStats | None = None
         #: The output text, kept only when content capture is on (tracing record_content).
         self.text_parts: list[str] | None = [] if capture_output else None
         self.usage: Usage | None = None
@@ -395,6 +398,8 @@ def _account(choice: ChoiceState, chunk: GenerationChunk) -> None:
         choice.finish_reason = chunk.finish_reason
     if chunk.phases is not None:
         choice.phases = chunk.phases
+    if chunk.speculation is not None:
+        choice.speculation = chunk.speculation
 
 
 def _partial_usage(choice: ChoiceState) -> Usage | None:

@@ -133,6 +133,7 @@ def _choice_summary(clock: RequestClock, choice: ChoiceState) -> ChoiceSummary:
         tpot_s=tpot,
         inter_token_s=tuple(choice.output_gaps),
         phases=choice.phases,
+        speculation=choice.speculation,
         output_text="".join(choice.text_parts) if choice.text_parts is not None else None,
     )
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from backends.base import EnginePhases, GenerationRequest, Usage
+from backends.base import EnginePhases, GenerationRequest, SpeculationStats, Usage
 
 __all__ = [
     "ChoiceOutcome",
@@ -63,6 +63,8 @@ class ChoiceSummary(msgspec.Struct, frozen=True, kw_only=True):
     inter_token_s: tuple[float, ...] = ()
     #: Engine phases reported by the backend on its last chunk (core engine), or None.
     phases: EnginePhases | None = None
+    #: Speculative decoding of the choice, from the backend's last chunk, or None.
+    speculation: SpeculationStats | None = None
     #: The generated text, only when the operator opted in to content capture
     #: (``[telemetry.tracing] record_content``); None otherwise.
     output_text: str | None = None

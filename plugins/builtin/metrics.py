@@ -21,6 +21,10 @@ goodput_requests_total                     counter    model (ok and within [tele
 backend_requests_running / _waiting,       gauge      backend (from a backend's optional
 backend_kv_cache_usage_ratio,                         ``stats()``: the core engine)
 backend_prefix_cache_hit_rate
+backend_spec_decode_num_drafts_total,      counter    backend (speculative decoding:
+_num_draft_tokens_total,                              proposals, proposed and accepted
+_num_accepted_tokens_total,                           tokens, n-gram lookup time)
+_ngram_seconds_total
 cost_total                                 counter    model, api_key, tenant (builtin.cost)
 =========================================  =========  =====================================
 
@@ -93,6 +97,23 @@ _COUNTER_STATS = {
     "worker_restarts": (
         "infermux_backend_worker_restarts",
         "Times the backend's worker process was started again after it died",
+    ),
+    # Speculative decoding, as vLLM's spec_decode series (engines that speculate).
+    "spec_decode_num_drafts": (
+        "infermux_backend_spec_decode_num_drafts",
+        "Proposals verified (each of one or more tokens, scored in one forward)",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "infermux_backend_spec_decode_num_draft_tokens",
+        "Tokens proposed by the speculative proposers",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "infermux_backend_spec_decode_num_accepted_tokens",
+        "Proposed tokens the target model accepted",
+    ),
+    "spec_decode_ngram_seconds": (
+        "infermux_backend_spec_decode_ngram_seconds",
+        "Time spent in n-gram lookup (seconds)",
     ),
 }
 

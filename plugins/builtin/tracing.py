@@ -11,6 +11,12 @@ Span tree of a request (GenAI semantic conventions, plus ``infermux.*`` attribut
     ├── queued / prefill / decode     engine phases, when the backend reports them
     │                                 (core engine), placed after the answering try began
 
+Speculative decoding (backends that report it on their last chunk) is known only when the
+choice ends, after its attempt span closed at the first chunk: its figures go on the
+``decode`` span of the choice and, summed over choices, on the request span, as
+``infermux.speculation.method``, ``.num_drafts``, ``.proposed_tokens``,
+``.accepted_tokens``, ``.acceptance_rate`` and ``.mean_accepted_length``.
+
 With ``n`` > 1 each choice has its own route (``infermux.choice_index``). A client's W3C
 ``traceparent`` becomes the parent of the request span, and each attempt's context is what
 the router sends to the backend (``infermux_on_attempt_start`` returns it), so a remote
@@ -34,6 +40,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from backends.base import SpeculationStats
 from plugins.builtin.genai_names import operation_name, provider_name
 from plugins.builtin.otel_env import build_tracer_provider, shutdown_quietly, tracing_wanted
 from plugins.hookspecs import hookimpl
@@ -314,6 +321,16 @@ class TracingPlugin:
                 attributes[key] = value
         if self._record_content:
             attributes["gen_ai.output.messages"] = _output_messages(summary.choices)
+        stats = [c.speculation for c in summary.choices if c.speculation is not None]
+        if stats:
+            attributes |= _speculation_attributes(
+                SpeculationStats(
+                    method=next((s.method for s in stats if s.method), None),
+                    num_drafts=sum(s.num_drafts for s in stats),
+                    num_draft_tokens=sum(s.num_draft_tokens for s in stats),
+                    num_accepted_tokens=sum(s.num_accepted_tokens for s in stats),
+                )
+            )
         return attributes
 
     def _phase_spans(self, tracer: Tracer, state: _Trace, choice: ChoiceSummary) -> None:
@@ -333,17 +350,30 @@ class TracingPlugin:
         ):
             if seconds is None:
                 continue
-            span = tracer.start_span(
-                name,
-                context=context,
-                start_time=at,
-                attributes={
-                    "infermux.choice_index": choice.choice_index,
-                    "infermux.backend.name": choice.backend_name or "",
-                },
-            )
+            attributes: dict[str, Any] = {
+                "infermux.choice_index": choice.choice_index,
+                "infermux.backend.name": choice.backend_name or "",
+            }
+            if name == "decode" and choice.speculation is not None:
+                attributes |= _speculation_attributes(choice.speculation)
+            span = tracer.start_span(name, context=context, start_time=at, attributes=attributes)
             at += int(seconds * 1e9)
             span.end(end_time=at)
+
+
+def _speculation_attributes(stats: SpeculationStats) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "infermux.speculation.num_drafts": stats.num_drafts,
+        "infermux.speculation.proposed_tokens": stats.num_draft_tokens,
+        "infermux.speculation.accepted_tokens": stats.num_accepted_tokens,
+    }
+    if stats.method is not None:
+        attributes["infermux.speculation.method"] = stats.method
+    if stats.acceptance_rate is not None:
+        attributes["infermux.speculation.acceptance_rate"] = stats.acceptance_rate
+    if stats.mean_accepted_length is not None:
+        attributes["infermux.speculation.mean_accepted_length"] = stats.mean_accepted_length
+    return attributes
 
 
 def _error_type(error: Any) -> str:

@@ -217,3 +217,31 @@ def write_dequantized_f32_copy(source: str | Path, path: str | Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def write_first_layers_copy(source: str | Path, path: str | Path, num_layers: int) -> Path:
+    """Copy ``source`` keeping only its first ``num_layers`` blocks (a draft model with the
+    same vocabulary and tokenizer; tensors dequantised to F32, like
+    :func:`write_dequantized_f32_copy`)."""
+    from core_engine.gguf_loader import GGUFFile
+
+    src = GGUFFile(source)
+    reader = src.reader
+    writer = gguf.GGUFWriter(str(path), src.architecture)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        if key == f"{src.architecture}.block_count":
+            writer.add_block_count(num_layers)
+            continue
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= num_layers:
+            continue
+        writer.add_tensor(tensor.name, src.dequantized(tensor.name).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
