@@ -56,7 +56,7 @@ class SpeculationOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 
     methods: tuple[Literal["ngram", "draft"], ...] = ("ngram",)
     draft_model_path: str | None = None
-    max_proposal: int = 8
+    max_proposal: int = 16
     ngram_max: int = 3
     ngram_min: int = 1
     draft_kv_cache_memory_mb: int | None = None

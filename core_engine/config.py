@@ -24,7 +24,7 @@ class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     #: The draft model's GGUF (needed for "draft"; may be the target's own file).
     draft_model_path: str | None = None
     #: Most tokens one request proposes in one step.
-    max_proposal: int = 8
+    max_proposal: int = 16
     #: n-gram lookup: the longest suffix matched first, down to ``ngram_min`` tokens.
     ngram_max: int = 3
     ngram_min: int = 1

@@ -18,8 +18,7 @@ from core_engine.config import EngineConfig, resolve_dtype
 from core_engine.errors import InvalidParamError, RequestTooLongError
 from core_engine.kv_cache_manager import KVCacheManager
 from core_engine.model_runner import ModelRunner
-from core_engine.output import RequestMetrics, RequestOutput, TokenLogprobs
-from core_engine.output import SpeculationMetrics
+from core_engine.output import RequestMetrics, RequestOutput, SpeculationMetrics, TokenLogprobs
 from core_engine.paged_attention import KVCache
 from core_engine.policy import EnginePolicies
 from core_engine.request import Request, RequestStatus

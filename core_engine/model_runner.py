@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from core_engine.paged_attention import KVCache, PagedAttention, build_attention_metadata
-from core_engine.request import Request
 from core_engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from core_engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from core_engine.spec_decode.rejection import verify_proposals

@@ -24,7 +24,7 @@ Everything is batched over the rows of all requests (one penalty pass, one softm
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -96,15 +96,12 @@ def verify_proposals(
         o, k = offsets[g], len(drafts)
         temperature = request.sampling_params.temperature
         if temperature == 0.0:
-            emitted = _accept_while_equal(drafts, lambda j: argmax[o + j])
+            emitted = _accept_while_equal(drafts, argmax[o : o + k + 1])
         elif q is None and request.generator is None:
-            emitted = _accept_while_equal(drafts, lambda j: drawn[o + j])
+            emitted = _accept_while_equal(drafts, [drawn[o + j] for j in range(k + 1)])
         elif q is None:
             assert probs is not None
-            gen = request.generator
-            emitted = _accept_while_equal(
-                drafts, lambda j: int(torch.multinomial(probs[o + j], 1, generator=gen)[0])
-            )
+            emitted = _accept_while_equal(drafts, _draws(probs[o : o + k + 1], request.generator))
         else:
             assert probs is not None
             emitted = _accept_rejection(drafts, probs[o : o + k + 1], q, generator)
@@ -116,15 +113,23 @@ def verify_proposals(
     return results
 
 
-def _accept_while_equal(drafts: Sequence[int], target: Any) -> list[int]:
-    """Accept ``drafts[j]`` while the target's token ``target(j)`` equals it; then emit it."""
+def _accept_while_equal(drafts: Sequence[int], targets: Iterable[int]) -> list[int]:
+    """Accept ``drafts[j]`` while the target's ``j``-th token equals it; then emit that token.
+
+    ``targets`` may be lazy (:func:`_draws`): nothing past the first mismatch is drawn.
+    """
     out: list[int] = []
-    for j in range(len(drafts) + 1):
-        token = target(j)
+    for j, token in enumerate(targets):
         out.append(token)
         if j == len(drafts) or token != drafts[j]:
             break
     return out
+
+
+def _draws(probs: Tensor, generator: torch.Generator) -> Iterator[int]:
+    """One draw per row with a request's own generator, as plain decoding draws per token."""
+    for row in probs:
+        yield int(torch.multinomial(row, 1, generator=generator)[0])
 
 
 def _accept_rejection(drafts: Sequence[int], p: Tensor, q: Tensor, generator: torch.Generator | None) -> list[int]:

@@ -14,9 +14,10 @@ the ``[plugins.settings."builtin.policy"]`` table of the routing config::
     prefetch_depth = 2
 
     [plugins.settings."builtin.policy".speculation]
-    max_tokens = 4
+    max_tokens = 16
     min_acceptance = 0.3
-    max_batch = 8
+    max_batch = 16
+    batch_tokens = 32
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ class KVOffloadSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 
 class SpeculationSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 16
     min_acceptance: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
-    max_batch: Annotated[int, msgspec.Meta(ge=1)] = 8
+    max_batch: Annotated[int, msgspec.Meta(ge=1)] = 16
     warmup_tokens: Annotated[int, msgspec.Meta(ge=0)] = 16
+    batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 32
 
 
 class QuantizationSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

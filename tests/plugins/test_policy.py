@@ -7,8 +7,6 @@ from typing import Any
 
 import pytest
 
-from backends.base import BackendConfig
-from backends.mock import MockBackend
 from core_engine.policy import (
     AdaptiveSpeculationPolicy,
     EnginePolicies,
@@ -21,12 +19,11 @@ from core_engine.policy import (
     SpeculationDecision,
     WatermarkOffloadPolicy,
 )
-from gateway.app import create_app
 from gateway.config import PluginsConfig
 from plugins.hookspecs import hookimpl
 from plugins.manager import PluginLoadError, create_plugin_manager
 from plugins.policy import engine_policies
-from plugins.testing import gateway_config, make_plugin_manager
+from plugins.testing import make_plugin_manager
 
 MODEL = QuantizationContext(model_name="core_engine", model_path="/m.gguf", device="cpu")
 
@@ -108,6 +105,11 @@ def test_speculation_follows_the_acceptance_rate_and_the_batch_size() -> None:
     assert policy.choose_speculation(speculation(num_running=64)).method is None
     assert policy.choose_speculation(speculation(methods=("ngram", "draft"))).method == "draft"
     assert policy.choose_speculation(speculation(methods=())).method is None
+    # k shrinks with the batch (batch_tokens // num_running - 1) before switching off.
+    wide = AdaptiveSpeculationPolicy(max_tokens=16, max_batch=16, batch_tokens=32)
+    assert [
+        wide.choose_speculation(speculation(num_running=n)).num_speculative_tokens for n in (1, 4, 8, 15, 16)
+    ] == [8, 7, 3, 1, 0]
 
 
 def test_the_engine_defaults_need_no_plugins() -> None:
@@ -157,7 +159,7 @@ def test_a_plugin_policy_replaces_the_builtin_one_per_request() -> None:
     policies = engine_policies(make_plugin_manager(TenantSpeculation()))
     premium = speculation(labels={"tenant": "premium"})
     assert policies.speculation.choose_speculation(premium).num_speculative_tokens == 7
-    assert policies.speculation.choose_speculation(speculation()).num_speculative_tokens == 2
+    assert policies.speculation.choose_speculation(speculation()).num_speculative_tokens == 8
 
 
 def test_a_broken_or_async_policy_falls_back_to_the_engine_default(
@@ -187,26 +189,4 @@ def test_a_broken_or_async_policy_falls_back_to_the_engine_default(
 def test_with_the_builtin_disabled_and_no_plugin_the_engine_default_decides() -> None:
     pm = make_plugin_manager(config=PluginsConfig(disable=["builtin.policy"]))
     policies = engine_policies(pm)
-    assert policies.speculation.choose_speculation(speculation()).num_speculative_tokens == 2
-
-
-def test_the_gateway_hands_the_plugin_policies_to_engine_backends() -> None:
-    class EngineBackend(MockBackend):
-        """A backend with an engine (what the core_engine backend does with the bundle)."""
-
-        policies: EnginePolicies | None = None
-
-        def use_policies(self, policies: EnginePolicies) -> None:
-            self.policies = policies
-
-    class Int8KV:
-        @hookimpl
-        def infermux_choose_quantization(self, context: QuantizationContext) -> Any:
-            return QuantizationDecision(kv_cache="int8")
-
-    backend = EngineBackend(BackendConfig(name="mock", kind="mock"))
-    create_app(
-        gateway_config(), plugin_manager=make_plugin_manager(Int8KV()), backends={"mock": backend}
-    )
-    assert backend.policies is not None
-    assert backend.policies.quantization.choose_quantization(MODEL).kv_cache == "int8"
+    assert policies.speculation.choose_speculation(speculation()).num_speculative_tokens == 8
