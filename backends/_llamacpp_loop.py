@@ -7,13 +7,28 @@ continuous-batching loop, as ``llama-server -np N`` does. The context has ``para
 1. **admit**: queued jobs take free slots, FIFO; each prompt goes to the free slot whose
    cached tokens share the longest prefix with it (:mod:`backends._llamacpp_slot`), the
    slot's KV past that prefix is removed, and the reused length is ``cached_tokens``;
-2. **schedule**: one ``llama_batch`` gets one token for every sequence that is generating,
-   then prompt chunks of the sequences still reading their prompt (chunked prefill, oldest
-   first), at most ``n_batch`` tokens in all;
+2. **schedule**: one ``llama_batch`` gets one token for every sequence that is generating
+   (with speculation, followed by the tokens proposed for it), then prompt chunks of the
+   sequences still reading their prompt (chunked prefill, oldest first), at most ``n_batch``
+   tokens in all;
 3. **decode** that batch with one ``llama_decode``;
 4. **sample** every sequence whose last prompt token or last generated token was in the
    batch, with its own sampler chain from its own logits row (``llama_sampler_sample(chain,
    ctx, row)``); :class:`~backends._llamacpp_sequence.Sequence` turns the token into output.
+
+Speculative decoding (``options.speculation``; absent, none of this runs): in step 2 the
+speculation policy (:class:`~core_engine.policy.SpeculationPolicy`, asked per generating
+sequence and step through :class:`~backends._llamacpp_speculation.SpeculationChooser`)
+gives ``k``, clipped to ``max_proposal``, to the room left in the batch, to ``n_ctx`` and to
+the sequence's ``max_tokens``; the sequence's
+:class:`~backends._llamacpp_speculation.NgramProposer` proposes ``d_1..d_m`` (m <= k), which
+go into the batch after ``next_token`` at the following positions, each with logits. In step
+4 the rows are verified in order (:meth:`LlamaRunner._verify`): the token sampled from row
+``j`` is emitted, and ``d_{j+1}`` stands only if it equals that token; the first mismatch,
+the last row, or a finished sequence ends the step, and the KV of the rejected proposals is
+removed (``llama_memory_seq_rm``). ``n_batch`` is raised to ``parallel * (1 +
+max_proposal)`` if below, so every generating sequence's full proposal fits. Models with
+recurrent state cannot cut a sequence's memory: speculation stays off for them.
 
 A sequence ends when it finishes, and at the next step when it was cancelled (its reader
 closed the stream) or passed its deadline (``UpstreamTimeoutError``); its slot keeps the KV
@@ -40,6 +55,7 @@ from backends._llamacpp_model import LlamaModel
 from backends._llamacpp_sampling import build_sampler, log_softmax, logits_row
 from backends._llamacpp_sequence import Sequence, wants_prompt_logprobs
 from backends._llamacpp_slot import Slot, SlotPool
+from backends._llamacpp_speculation import METHODS, NgramProposer, SpeculationChooser
 from backends._thread_job import ThreadJob
 from backends.base import GenerationChunk, GenerationRequest
 from backends.errors import (
@@ -50,6 +66,7 @@ from backends.errors import (
     InfermuxError,
     UpstreamTimeoutError,
 )
+from core_engine.policy import SpeculationContext, SpeculationPolicy
 
 __all__ = ["LlamaRunner"]
 
@@ -78,6 +95,9 @@ class LlamaRunner:
         n_threads: int,
         n_threads_batch: int,
         default_seed: int | None,
+        speculation_policy: SpeculationPolicy | None = None,
+        max_proposal: int = 8,
+        ngram_size: int = 3,
     ) -> None:
         self.model = model
         self.name = name
@@ -85,8 +105,22 @@ class LlamaRunner:
         self.n_ctx = n_ctx
         self.parallel = parallel
         self.template_source = model.template_source
-        # A step carries one token of every generating sequence: they must all fit.
+        # A step carries one token of every generating sequence (and, speculating, its
+        # proposed tokens): they must all fit.
         n_batch = max(n_batch, parallel)
+        self._speculation: SpeculationChooser | None = None
+        self._ngram_size = ngram_size
+        if speculation_policy is not None and self._can_cut_sequences(model):
+            self._speculation = SpeculationChooser(
+                speculation_policy, max_proposal=max_proposal, name=name
+            )
+            n_batch = max(n_batch, parallel * (1 + max_proposal))
+        elif speculation_policy is not None:
+            logger.warning(
+                "backend %s: the model keeps recurrent state, which cannot drop rejected "
+                "proposals; speculative decoding is off",
+                name,
+            )
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx * parallel
         params.n_batch = n_batch
@@ -123,8 +157,27 @@ class LlamaRunner:
         #: ``llama_decode`` calls since start, and the most sequences one of them carried.
         self.num_decode_calls = 0
         self.max_sequences_per_decode = 0
+        #: Speculation since start: drafts verified, tokens proposed, tokens accepted.
+        self.spec_decode_num_drafts = 0
+        self.spec_decode_num_draft_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0
         self._thread = threading.Thread(target=self._serve, name=f"llamacpp-{name}", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _can_cut_sequences(model: LlamaModel) -> bool:
+        """Whether rejected proposals can be removed from a sequence's memory."""
+        raw = model.model
+        return not (llama_cpp.llama_model_is_recurrent(raw) or llama_cpp.llama_model_is_hybrid(raw))
+
+    @property
+    def speculates(self) -> bool:
+        return self._speculation is not None
+
+    def use_speculation_policy(self, policy: SpeculationPolicy) -> None:
+        """Consult ``policy`` from the next step on (no effect unless speculation is on)."""
+        if self._speculation is not None:
+            self._speculation.use_policy(policy)
 
     # -- any thread -----------------------------------------------------------------------
 
@@ -262,6 +315,9 @@ class LlamaRunner:
             logger.exception("backend %s: preparing a llama.cpp prompt failed", self.name)
             self._reject(job, BackendError(f"llama.cpp generation failed: {exc}"))
             return
+        proposer = None
+        if self._speculation is not None:
+            proposer = NgramProposer(tokens, capacity=self.n_ctx, ngram_size=self._ngram_size)
         slot, num_shared = self._slots.acquire(tokens)
         # The last prompt token is always evaluated again: its logits are sampled from. Echo
         # with logprobs needs a logits row at every prompt position, so it reuses nothing.
@@ -278,6 +334,7 @@ class LlamaRunner:
                 max_tokens=max_tokens,
                 sampler=sampler,
                 queued_s=queued_s,
+                proposer=proposer,
             )
         )
 
@@ -293,10 +350,12 @@ class LlamaRunner:
         return num_kept
 
     def _schedule(self) -> list[_Scheduled]:
-        """Fill the batch: a token per generating sequence, then prompt chunks."""
+        """Fill the batch: a token (and its proposals) per generating sequence, then prompt
+        chunks."""
         batch = self._batch
         batch.clear()
         scheduled: list[_Scheduled] = []
+        generating: list[Sequence] = []
         now = time.monotonic()
         for seq in list(self._running):
             deadline = seq.job.request.deadline
@@ -305,8 +364,17 @@ class LlamaRunner:
             elif deadline is not None and now > deadline:
                 self._end(seq, UpstreamTimeoutError("the request's deadline passed"))
             elif seq.next_token is not None:
-                row = batch.add(seq.next_token, len(seq.slot.tokens), seq.slot.seq_id, True)
-                scheduled.append((seq, row, 1))
+                generating.append(seq)
+        if self._speculation is not None:
+            self._propose(generating)
+        for seq in generating:
+            assert seq.next_token is not None
+            position = len(seq.slot.tokens)
+            seq_id = seq.slot.seq_id
+            row = batch.add(seq.next_token, position, seq_id, True)
+            for i, token in enumerate(seq.drafts, start=1):
+                batch.add(token, position + i, seq_id, True)
+            scheduled.append((seq, row, 1 + len(seq.drafts)))
         for seq in self._running:
             if batch.room == 0:
                 break
@@ -323,6 +391,42 @@ class LlamaRunner:
                 batch.add(prompt[position], position, seq_id, every_row or position == last)
             scheduled.append((seq, first_row, end - start))
         return scheduled
+
+    def _propose(self, generating: list[Sequence]) -> None:
+        """Set each generating sequence's ``drafts`` for this step, as its policy decides.
+
+        A sequence's proposals never take it past ``n_ctx`` or its ``max_tokens`` (a step
+        emits at most one token more than it proposes), and all of them fit in the batch
+        beside one row per generating sequence.
+        """
+        assert self._speculation is not None
+        room = self._batch.room - len(generating)
+        for seq in generating:
+            seq.drafts = []
+            proposer = seq.proposer
+            if proposer is None or room <= 0:
+                continue
+            request = seq.job.request
+            k = self._speculation.choose(
+                SpeculationContext(
+                    req_id=request.request_id,
+                    methods=METHODS,
+                    num_prompt_tokens=len(seq.prompt),
+                    num_output_tokens=seq.num_generated,
+                    temperature=request.params.temperature,
+                    num_running=len(generating),
+                    num_proposed_tokens=proposer.num_draft_tokens,
+                    num_accepted_tokens=proposer.num_accepted_tokens,
+                    labels=request.labels,
+                    tenant=request.tenant,
+                )
+            )
+            position = len(seq.slot.tokens)  # where next_token goes
+            k = min(k, room, self.n_ctx - 1 - position, seq.max_tokens - seq.num_generated - 1)
+            if k <= 0:
+                continue
+            seq.drafts = proposer.propose(k)
+            room -= len(seq.drafts)
 
     def _run(self, scheduled: list[_Scheduled]) -> None:
         """Decode the batch once, then move every scheduled sequence on by its rows."""
@@ -363,6 +467,9 @@ class LlamaRunner:
             if seq.max_tokens == 0:
                 self._end(seq, seq.final_chunk())
                 return
+        elif seq.drafts:
+            self._verify(seq, first_row)
+            return
         else:
             assert seq.next_token is not None
             slot.tokens.append(seq.next_token)
@@ -374,6 +481,56 @@ class LlamaRunner:
         self.num_generated_tokens += 1
         if seq.accept(token, logprobs):
             self._end(seq, seq.final_chunk())
+
+    def _verify(self, seq: Sequence, first_row: int) -> None:
+        """Emit the tokens sampled from a speculating sequence's rows while they confirm it.
+
+        Row ``j`` holds ``next_token`` (j = 0) or proposal ``d_j``; the token ``t_j`` sampled
+        from it is emitted, and proposal ``d_{j+1}`` stands (its KV is valid) only when
+        ``t_j == d_{j+1}``. The first mismatch, the last row, or a token that finishes the
+        sequence ends the step. For a proposal that is one fixed token this is rejection
+        sampling, so the output has the target's distribution; and the chain only ever
+        accepts (penalty history, grammar) the tokens that are emitted. The KV of the
+        rejected proposals is removed.
+        """
+        slot = seq.slot
+        proposer = seq.proposer
+        assert seq.next_token is not None and proposer is not None
+        drafts, seq.drafts = seq.drafts, []
+        slot.tokens.append(seq.next_token)
+        num_accepted = 0
+        for j in range(len(drafts) + 1):
+            row = first_row + j
+            logprobs = None
+            if seq.want_logprobs:
+                logprobs = log_softmax(logits_row(self.ctx, row, self.model.n_vocab))
+            token = llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, row)
+            self.num_generated_tokens += 1
+            confirmed = j < len(drafts) and token == drafts[j]
+            if confirmed:
+                slot.tokens.append(token)  # evaluated at this position as d_{j+1}
+                num_accepted += 1
+            if seq.accept(token, logprobs):
+                self._record(proposer, len(drafts), num_accepted)
+                self._cut(seq)
+                self._end(seq, seq.final_chunk())
+                return
+            if not confirmed:
+                break
+        self._record(proposer, len(drafts), num_accepted)
+        self._cut(seq)
+
+    def _record(self, proposer: NgramProposer, num_draft_tokens: int, num_accepted: int) -> None:
+        proposer.record(num_draft_tokens, num_accepted)
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_draft_tokens
+        self.spec_decode_num_accepted_tokens += num_accepted
+
+    def _cut(self, seq: Sequence) -> None:
+        """Drop the KV past ``slot.tokens`` (rejected proposals); a failure fails the sequence."""
+        slot = seq.slot
+        if not llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, len(slot.tokens), -1):
+            raise RuntimeError("llama.cpp could not remove rejected proposals from the KV cache")
 
     def _end(self, seq: Sequence, outcome: GenerationChunk | InfermuxError | None) -> None:
         """The one way out of a sequence: its last item, then its sampler and slot freed."""

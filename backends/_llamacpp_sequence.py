@@ -6,6 +6,9 @@ chunk of its prompt or the token it sampled last, and :meth:`Sequence.accept` tu
 token into output: stop token ids and end-of-generation tokens, incremental UTF-8 decoding
 (a character split across tokens waits for its last byte), stop strings (text that may start
 one is held back, and a match cuts the output before it), logprobs and ``max_tokens``.
+With speculation its :class:`~backends._llamacpp_speculation.NgramProposer` sees every
+accepted token, and the final chunk carries the proposer's
+:class:`~backends.base.SpeculationStats`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 from backends._llamacpp_model import LlamaModel
 from backends._llamacpp_sampling import PromptLogprobs, logprob_entry
 from backends._llamacpp_slot import Slot
+from backends._llamacpp_speculation import NgramProposer
 from backends._stop import StopBuffer
 from backends._thread_job import ThreadJob
 from backends.base import (
@@ -58,6 +62,7 @@ class Sequence:
         max_tokens: int,
         sampler: Any,
         queued_s: float,
+        proposer: NgramProposer | None = None,
     ) -> None:
         request = job.request
         params = request.params
@@ -81,6 +86,10 @@ class Sequence:
         )
         #: The token sampled last, fed to the next step (None while the prompt runs).
         self.next_token: int | None = None
+        #: N-gram proposals and their counters (None: the backend does not speculate).
+        self.proposer = proposer
+        #: This step's proposed tokens, in the batch after ``next_token`` (verified after).
+        self.drafts: list[int] = []
         self.num_generated = 0
         self.finish_reason: FinishReason = "length"
         self._model = model
@@ -117,6 +126,8 @@ class Sequence:
             self.finish_reason = "stop"
             return True
         self.num_generated += 1
+        if self.proposer is not None:
+            self.proposer.push(token)
         piece = self._model.piece(token)
         entry = None
         if logprobs is not None:
@@ -165,6 +176,7 @@ class Sequence:
                 cached_tokens=self.num_cached,
             ),
             phases=EnginePhases(queued_s=self._queued_s, prefill_s=prefill_s, decode_s=decode_s),
+            speculation=self.proposer.stats() if self.proposer is not None else None,
         )
 
     def _chunk(self, text: str) -> GenerationChunk:

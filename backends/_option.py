@@ -32,9 +32,11 @@ def decode_options(config: BackendConfig, options_type: type[T]) -> T:
 def _describe(config: BackendConfig, message: str) -> str:
     prefix = f"backends.{config.name}.options"
     unknown = _UNKNOWN_FIELD.search(message)
-    if unknown is not None:
-        return f"{prefix}.{unknown.group('field')}: unknown option for kind {config.kind!r}"
     located = _PATH.search(message)
+    if unknown is not None:
+        # A nested table's unknown key comes with its path: ``... - at `$.speculation```.
+        parent = located.group("path").lstrip(".") + "." if located is not None and located.group("path") else ""
+        return f"{prefix}.{parent}{unknown.group('field')}: unknown option for kind {config.kind!r}"
     if located is not None:
         key = located.group("path").lstrip(".")
         reason = message[: located.start()]

@@ -16,6 +16,15 @@ The chat template comes from the GGUF metadata (``tokenizer.chat_template``), re
 the sandbox of :mod:`core_engine.chat_template`. Each slot keeps the tokens of its last
 request in the KV cache; a new prompt goes to the free slot sharing the longest prefix with
 it, skips that prefix, and the number of skipped tokens is reported as ``cached_tokens``.
+
+With ``options.speculation`` the runner proposes tokens by n-gram lookup in each sequence's
+own prompt and output and verifies them in the same ``llama_decode`` (greedy output is the
+plain output, up to llama.cpp's rounding of a multi-row batch; sampled output keeps the
+target distribution). ``use_policies`` gives it the speculation policy it asks per
+sequence and step (default: ``EnginePolicies()``'s ``AdaptiveSpeculationPolicy``); each
+final chunk carries ``SpeculationStats`` and ``stats()`` the ``spec_decode_*`` counters.
+In a worker process the gateway's policy is asked once per request instead
+(:mod:`backends.worker.supervisor`).
 """
 
 from __future__ import annotations
@@ -41,11 +50,12 @@ from backends.base import (
     ModelInfo,
 )
 from backends.errors import BackendConfigError, BackendUnavailableError
+from core_engine.policy import EnginePolicies, SpeculationMethod
 
 if TYPE_CHECKING:
     from backends._llamacpp_loop import LlamaRunner
 
-__all__ = ["LlamaCppBackend", "LlamaCppOptions", "create_backend"]
+__all__ = ["LlamaCppBackend", "LlamaCppOptions", "LlamaCppSpeculation", "create_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +66,20 @@ _DEFAULT_PARALLEL = 16
 _KV_MEMORY_SHARE = 1 / 8
 #: llama.cpp's limit on sequence ids (``LLAMA_MAX_SEQ``).
 _MAX_PARALLEL = 256
+#: The most tokens one sequence may propose per step.
+_MAX_PROPOSAL = 64
+
+
+class LlamaCppSpeculation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``options.speculation``: n-gram (prompt-lookup) speculative decoding."""
+
+    #: Proposal methods; only "ngram" (a draft model is not something this backend runs).
+    methods: list[str] = msgspec.field(default_factory=lambda: ["ngram"])
+    #: The most tokens proposed for one sequence in one step (the policy's ``k`` is clipped).
+    max_proposal: int = 8
+    #: The longest suffix looked up in the sequence's earlier tokens
+    #: (``LlamaPromptLookupDecoding``'s ``max_ngram_size``).
+    ngram_size: int = 3
 
 
 class LlamaCppOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -83,6 +107,9 @@ class LlamaCppOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     use_mmap: bool = True
     #: Let llama.cpp print its own logs to stderr.
     verbose: bool = False
+    #: Speculative decoding (None: off). See "Speculative decoding (llama.cpp)" in
+    #: docs/backends.md.
+    speculation: LlamaCppSpeculation | None = None
 
 
 class LlamaCppBackend:
@@ -104,11 +131,26 @@ class LlamaCppBackend:
         parallel = self.options.parallel
         if parallel is not None and not 1 <= parallel <= _MAX_PARALLEL:
             raise ValueError(f"{prefix}.parallel: must be between 1 and {_MAX_PARALLEL}")
+        if self.options.speculation is not None:
+            _check_speculation(self.options.speculation, f"{prefix}.speculation")
         self.capabilities = Capabilities(
             logprobs=True, echo=True, structured_outputs=False, max_top_logprobs=20
         )
         self._runner: LlamaRunner | None = None
         self._model_path: Path | None = None
+        self._policies = EnginePolicies()
+
+    @property
+    def speculation_methods(self) -> tuple[SpeculationMethod, ...]:
+        """The speculation methods configured (empty: this backend does not speculate)."""
+        return ("ngram",) if self.options.speculation is not None else ()
+
+    def use_policies(self, policies: EnginePolicies) -> None:
+        """Consult ``policies.speculation`` per generating sequence and step (when
+        ``options.speculation`` is set); the default is :class:`EnginePolicies`'s own."""
+        self._policies = policies
+        if self._runner is not None:
+            self._runner.use_speculation_policy(policies.speculation)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -182,6 +224,7 @@ class LlamaCppBackend:
                 f"backend {self.name!r}: llama.cpp could not load {path}: {exc}"
             ) from exc
         parallel = options.parallel or _default_parallel(options.n_ctx, model.kv_bytes_per_token)
+        speculation = options.speculation
         try:
             return LlamaRunner(
                 model,
@@ -192,6 +235,9 @@ class LlamaCppBackend:
                 n_threads=options.n_threads,
                 n_threads_batch=options.n_threads_batch or options.n_threads,
                 default_seed=options.seed,
+                speculation_policy=self._policies.speculation if speculation else None,
+                max_proposal=speculation.max_proposal if speculation else 0,
+                ngram_size=speculation.ngram_size if speculation else 0,
             )
         except RuntimeError as exc:
             model.close()
@@ -235,6 +281,17 @@ class LlamaCppBackend:
         """Tokens sampled since start, across requests (including abandoned ones)."""
         return self._runner.num_generated_tokens if self._runner is not None else 0
 
+    def stats(self) -> dict[str, float]:
+        """Speculation counters since start (vLLM's ``spec_decode`` series), when it is on."""
+        runner = self._runner
+        if runner is None or not runner.speculates:
+            return {}
+        return {
+            "spec_decode_num_drafts": float(runner.spec_decode_num_drafts),
+            "spec_decode_num_draft_tokens": float(runner.spec_decode_num_draft_tokens),
+            "spec_decode_num_accepted_tokens": float(runner.spec_decode_num_accepted_tokens),
+        }
+
     # -- serving --------------------------------------------------------------------------
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
@@ -249,6 +306,24 @@ class LlamaCppBackend:
         runner.submit(job)
         async for chunk in drain(job):
             yield chunk
+
+
+def _check_speculation(speculation: LlamaCppSpeculation, prefix: str) -> None:
+    """``ValueError`` naming the field for options this backend cannot run."""
+    if "draft" in speculation.methods:
+        raise ValueError(
+            f'{prefix}.methods: "draft" needs a draft model, which the llamacpp backend '
+            'does not run; use ["ngram"] (prompt lookup)'
+        )
+    unknown = [m for m in speculation.methods if m != "ngram"]
+    if unknown:
+        raise ValueError(f'{prefix}.methods: unknown method {unknown[0]!r} (only "ngram")')
+    if not speculation.methods:
+        raise ValueError(f'{prefix}.methods: name "ngram" (leave speculation out to turn it off)')
+    if not 1 <= speculation.max_proposal <= _MAX_PROPOSAL:
+        raise ValueError(f"{prefix}.max_proposal: must be between 1 and {_MAX_PROPOSAL}")
+    if speculation.ngram_size < 1:
+        raise ValueError(f"{prefix}.ngram_size: must be at least 1")
 
 
 def _default_parallel(n_ctx: int, kv_bytes_per_token: int) -> int:

@@ -202,13 +202,15 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def _start(name: str, args: argparse.Namespace) -> Any:
     kind, extra = ENGINES[name]
-    options: dict[str, Any] = {"num_threads": args.threads, **extra}
+    options: dict[str, Any] = dict(extra)
     if kind == "llamacpp":
         from backends.llamacpp import create_backend
 
-        options |= {"n_ctx": 2048, "parallel": max(16, args.concurrency)}
+        options |= {"n_ctx": 2048, "parallel": max(16, args.concurrency), "n_threads": args.threads}
     else:
         from backends.core_engine import create_backend
+
+        options["num_threads"] = args.threads
     backend = create_backend(BackendConfig(name=name, kind=kind, options=options))
     print(f"[{name}] loading", flush=True)
     await backend.start()
@@ -265,7 +267,11 @@ def _plot(results: dict[str, Any], path: Path, concurrency: int) -> None:
             values.append((s.get("decode_tok_s_median") or 0) if key.endswith("/1") else s.get("throughput_tok_s", 0))
         ax.bar([i + j * width for i in range(len(keys))], values, width, label=name)
     ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(keys))])
-    ax.set_xticklabels([k.replace("/1", " 1 stream (decode)").replace(f"/{concurrency}", f" {concurrency} streams") for k in keys])
+    labels = [
+        k.split("/")[0] + (" 1 stream (decode)" if k.endswith("/1") else f" {concurrency} streams")
+        for k in keys
+    ]
+    ax.set_xticklabels(labels)
     ax.set_ylabel("tokens / s")
     ax.set_title("Speculative decoding on SmolLM2-135M (greedy)")
     ax.legend()

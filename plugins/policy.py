@@ -7,7 +7,10 @@ members call the hooks ``infermux_choose_quantization``, ``infermux_plan_kv_offl
 :mod:`plugins.builtin.policy` answer last). A plugin that raises or answers the wrong type
 is logged and the engine's own default decides, so a broken policy cannot stop the engine
 loop. ``create_app`` hands the bundle to every backend that has a
-``use_policies(policies)`` method (the core engine backend), before it starts.
+``use_policies(policies)`` method, before it starts: the core engine backend (its engine
+consults the speculation policy per request and step), the llama.cpp backend (its
+prompt-lookup draft), and a worker-process backend wrapping one of those (the gateway side
+asks once per request and relays the answer, see :mod:`backends.worker.supervisor`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,15 @@ progress to the inherited stderr), then serves: one task per
 turn; :class:`~backends.worker.protocol.Cancel` cancels the task, which closes the backend's
 generator and so aborts the work exactly as in-process. It exits when told to stop, when the
 gateway process is gone, or when it crashes — which the supervisor handles.
+
+A backend that speculates (``use_policies`` and a non-empty ``speculation_methods``) gets,
+before it starts, a :class:`RelayedSpeculationPolicy`: per step it answers for a request
+from the decision its ``Generate`` frame carried (the gateway's policy, asked once at
+submit): off for the whole request when that decision was off (method None or 0 tokens),
+otherwise this worker's own ``AdaptiveSpeculationPolicy(max_tokens=<relayed k>)`` — so the
+acceptance rate and the batch size still steer each step here, under the gateway's cap. A
+frame without a decision gets ``AdaptiveSpeculationPolicy()``'s answer. Requests are told
+apart by ``request_id``: two running at once under the same id share the later decision.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +52,14 @@ from backends.worker.protocol import (
     encode_frame,
     to_wire,
 )
+from core_engine.policy import (
+    AdaptiveSpeculationPolicy,
+    EnginePolicies,
+    SpeculationContext,
+    SpeculationDecision,
+)
 
-__all__ = ["main"]
+__all__ = ["RelayedSpeculationPolicy", "main"]
 
 logger = logging.getLogger("backends.worker")
 
@@ -82,6 +98,48 @@ def _load_factory(path: str) -> Callable[..., Backend]:
     return target  # type: ignore[no-any-return]
 
 
+class RelayedSpeculationPolicy:
+    """Answers per step from each request's relayed decision; see the module docstring.
+
+    :meth:`hold` and :meth:`release` run on the event loop, :meth:`choose_speculation` on
+    the backend's own thread: the table is guarded by a lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._decisions: dict[str, list[SpeculationDecision | None]] = {}
+        self._default = AdaptiveSpeculationPolicy()
+        self._capped: dict[int, AdaptiveSpeculationPolicy] = {}
+
+    def hold(self, req_id: str, decision: SpeculationDecision | None) -> None:
+        with self._lock:
+            self._decisions.setdefault(req_id, []).append(decision)
+
+    def release(self, req_id: str, decision: SpeculationDecision | None) -> None:
+        with self._lock:
+            held = self._decisions.get(req_id)
+            if held is None:
+                return
+            held.remove(decision)
+            if not held:
+                del self._decisions[req_id]
+
+    def choose_speculation(self, context: SpeculationContext) -> SpeculationDecision:
+        with self._lock:
+            held = self._decisions.get(context.req_id)
+            decision = held[-1] if held else None
+            if decision is None:
+                policy = self._default
+            elif decision.method is None or decision.num_speculative_tokens <= 0:
+                return SpeculationDecision()
+            else:
+                k = decision.num_speculative_tokens
+                policy = self._capped.get(k) or self._capped.setdefault(
+                    k, AdaptiveSpeculationPolicy(max_tokens=k)
+                )
+        return policy.choose_speculation(context)
+
+
 class _Worker:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -91,6 +149,8 @@ class _Worker:
         self.outbox: list[Any] = []
         self.sock: zmq.asyncio.Socket | None = None
         self.stopping = asyncio.Event()
+        #: Installed in a backend that speculates (None: the backend does not).
+        self.speculation: RelayedSpeculationPolicy | None = None
 
     async def serve(self) -> int:
         context = zmq.asyncio.Context()
@@ -128,6 +188,7 @@ class _Worker:
                 self.backend = factory(start.config)
             except ValueError as exc:
                 raise BackendConfigError(str(exc)) from exc
+            self._relay_speculation(self.backend)
             await self.backend.start()
         except InfermuxError as exc:
             self._post(StartFailed(error=to_wire(exc)))
@@ -146,12 +207,20 @@ class _Worker:
         )
         return True
 
+    def _relay_speculation(self, backend: Backend) -> None:
+        use_policies = getattr(backend, "use_policies", None)
+        if callable(use_policies) and getattr(backend, "speculation_methods", None):
+            self.speculation = RelayedSpeculationPolicy()
+            use_policies(EnginePolicies(speculation=self.speculation))
+
     async def _read(self) -> None:
         assert self.sock is not None
         while True:
             for message in decode_frame(await self.sock.recv()):
                 if isinstance(message, Generate):
-                    task = asyncio.create_task(self._generate(message.id, message.request))
+                    task = asyncio.create_task(
+                        self._generate(message.id, message.request, message.speculation)
+                    )
                     self.tasks[message.id] = task
                 elif isinstance(message, Cancel):
                     task = self.tasks.get(message.id)
@@ -161,8 +230,16 @@ class _Worker:
                     self.stopping.set()
                     return
 
-    async def _generate(self, request_id: int, request: GenerationRequest) -> None:
+    async def _generate(
+        self,
+        request_id: int,
+        request: GenerationRequest,
+        speculation: SpeculationDecision | None,
+    ) -> None:
         assert self.backend is not None
+        relay = self.speculation
+        if relay is not None:
+            relay.hold(request.request_id, speculation)
         stream = self.backend.generate(request)
         try:
             async for chunk in stream:
@@ -180,6 +257,8 @@ class _Worker:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if relay is not None:
+                relay.release(request.request_id, speculation)
             self.tasks.pop(request_id, None)
 
     async def _watch(self) -> None:

@@ -3,6 +3,11 @@
 Every frame is a list of messages, so that the tokens of many sequences produced in one
 loop turn cross in one send. Errors cross as :class:`WireError` and are raised again on the
 gateway side as the same class of :mod:`backends.errors`.
+
+Policies are objects of the gateway (plugins) and do not cross. For a backend that
+speculates, :class:`Generate` carries the gateway's speculation decision for the request,
+taken once at submit (see :mod:`backends.worker.supervisor`); the worker honours it per
+step (see :mod:`backends.worker.child`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import msgspec
 
 from backends import errors
 from backends.base import BackendConfig, Capabilities, GenerationChunk, GenerationRequest, ModelInfo
+from core_engine.policy import SpeculationDecision
 
 __all__ = [
     "Cancel",
@@ -57,6 +63,9 @@ class Start(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 class Generate(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     id: int
     request: GenerationRequest
+    #: The gateway's speculation policy's answer for this request (None: it did not ask,
+    #: the backend does not speculate; the worker's default policy decides).
+    speculation: SpeculationDecision | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -11,6 +11,18 @@ process that runs the real backend (see :mod:`backends.worker`). Its states::
 While it is not ``up``, ``generate`` raises a retryable ``BackendUnavailableError`` and
 ``health()`` is not ok. The back-off starts at 0.5 s and doubles up to 30 s while the worker
 keeps dying within a minute of starting.
+
+Policies (:class:`~core_engine.policy.EnginePolicies`, the plugins' hooks) live in the
+gateway process and cannot cross to the worker. When the local backend speculates (it has
+``use_policies`` and a non-empty ``speculation_methods``), :meth:`WorkerBackend.use_policies`
+keeps ``policies.speculation``, and :meth:`WorkerBackend.generate` consults it **once per
+request**, at submit, with what the gateway knows then: ``req_id``, the backend's methods,
+``num_prompt_tokens`` 0 (not tokenized here), ``num_output_tokens`` 0, the temperature,
+``num_running`` = the requests in flight on this worker (this one included), the labels and
+the tenant. The answer travels in the ``Generate`` frame; inside the worker it switches
+speculation off for the whole request, or caps the worker's own per-step
+``AdaptiveSpeculationPolicy`` at its ``num_speculative_tokens`` (:mod:`backends.worker.child`).
+A policy that raises is logged once and ``AdaptiveSpeculationPolicy`` answers instead.
 """
 
 from __future__ import annotations
@@ -61,6 +73,14 @@ from backends.worker.protocol import (
     decode_frame,
     encode_frame,
     from_wire,
+)
+from core_engine.policy import (
+    AdaptiveSpeculationPolicy,
+    EnginePolicies,
+    SpeculationContext,
+    SpeculationDecision,
+    SpeculationMethod,
+    SpeculationPolicy,
 )
 
 __all__ = ["WorkerBackend", "factory_path"]
@@ -134,6 +154,12 @@ class WorkerBackend:
         self._restart_task: asyncio.Task[None] | None = None
         self._stats: dict[str, float] = {}
         self._recovery_listeners: list[Callable[[], None]] = []
+        # Speculation methods of the local backend when it takes policies (else none).
+        self._speculation_methods: tuple[SpeculationMethod, ...] = ()
+        if callable(getattr(local, "use_policies", None)):
+            self._speculation_methods = tuple(getattr(local, "speculation_methods", ()))
+        self._speculation_policy: SpeculationPolicy | None = None
+        self._speculation_warned = False
         #: Times the worker was started again after it died.
         self.restarts = 0
         #: How the last worker ended ("killed by SIGSEGV"), or None.
@@ -310,6 +336,45 @@ class WorkerBackend:
                 worker.send(Stop())
             await _reap(worker)
 
+    # -- policies ---------------------------------------------------------------------------
+
+    def use_policies(self, policies: EnginePolicies) -> None:
+        """Keep ``policies.speculation`` to decide each request at submit (see the module);
+        ignored when the local backend does not speculate."""
+        if self._speculation_methods:
+            self._speculation_policy = policies.speculation
+
+    def _speculation_for(self, request: GenerationRequest) -> SpeculationDecision | None:
+        """The speculation policy's answer for ``request`` (None: not asked)."""
+        policy = self._speculation_policy
+        if policy is None:
+            return None
+        context = SpeculationContext(
+            req_id=request.request_id,
+            methods=self._speculation_methods,
+            num_prompt_tokens=0,
+            num_output_tokens=0,
+            temperature=request.params.temperature,
+            num_running=len(self._pending) + 1,
+            labels=request.labels,
+            tenant=request.tenant,
+        )
+        try:
+            decision = policy.choose_speculation(context)
+            if not isinstance(decision, SpeculationDecision):
+                raise TypeError(f"answered {type(decision).__name__}, not a SpeculationDecision")
+        except Exception:
+            if not self._speculation_warned:
+                self._speculation_warned = True
+                logger.warning(
+                    "backend %s: the speculation policy failed; AdaptiveSpeculationPolicy "
+                    "decides instead",
+                    self.name,
+                    exc_info=True,
+                )
+            decision = AdaptiveSpeculationPolicy().choose_speculation(context)
+        return decision
+
     # -- the Backend contract ---------------------------------------------------------------
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
@@ -320,11 +385,12 @@ class WorkerBackend:
         worker = self._worker
         if worker is None or self._state != "up":
             raise BackendUnavailableError(f"backend {self.name!r}: {self._detail}", retry_after=1)
+        speculation = self._speculation_for(request)
         self._next_id += 1
         request_id = self._next_id
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._pending[request_id] = queue
-        worker.send(Generate(id=request_id, request=request))
+        worker.send(Generate(id=request_id, request=request, speculation=speculation))
         try:
             while True:
                 item = await queue.get()
