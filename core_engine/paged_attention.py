@@ -176,13 +176,13 @@ def build_attention_metadata(
                 decode_mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, max_len)
             else:
                 # Query i of decode d sits at position context_len - n_d + i.
-                n = torch.tensor(lens, device=device)
-                first = context_lens.long() - n  # (D,)
+                q_lens = torch.tensor(lens, device=device)
+                first = context_lens.long() - q_lens  # (D,)
                 qi = torch.arange(max_q, device=device)
                 q_pos = first.unsqueeze(1) + qi.unsqueeze(0)  # (D, Q)
                 decode_mask = keys.view(1, 1, -1) <= q_pos.unsqueeze(2)  # (D, Q, S)
-                row0 = torch.cumsum(n, 0) - n  # first flat row of each decode
-                valid = qi.unsqueeze(0) < n.unsqueeze(1)  # (D, Q)
+                row0 = torch.cumsum(q_lens, 0) - q_lens  # first flat row of each decode
+                valid = qi.unsqueeze(0) < q_lens.unsqueeze(1)  # (D, Q)
                 query_rows = torch.where(valid, row0.unsqueeze(1) + qi.unsqueeze(0), 0).view(-1)
                 real_rows = valid.view(-1).nonzero().squeeze(1)
     return AttentionMetadata(

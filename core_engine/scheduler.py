@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from core_engine.kv_cache_manager import KVCacheManager
 from core_engine.request import Request, RequestStatus
@@ -74,7 +75,7 @@ class ModelRunnerOutput:
     #: in order (accepted proposals, then the target's own token), and their logprob records
     #: (None when not asked for). ``sampled_token_ids`` is None at those indices.
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    spec_logprobs: dict[int, list[object]] = field(default_factory=dict)
+    spec_logprobs: dict[int, list[Any]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -291,7 +292,7 @@ class Scheduler:
         return updated
 
     def _apply_verified(
-        self, request: Request, item: ScheduledRequest, tokens: list[int], logprobs: list[object] | None, now: float
+        self, request: Request, item: ScheduledRequest, tokens: list[int], logprobs: list[Any] | None, now: float
     ) -> None:
         """Append a verified proposal's tokens one at a time, as plain decoding would have."""
         num_proposed = len(item.spec_token_ids)

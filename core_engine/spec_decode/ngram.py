@@ -76,9 +76,9 @@ class NgramProposer:
             if not found.any():
                 continue
             last = match.shape[1] - 1 - np.argmax(match[:, ::-1], axis=1)  # most recent start
-            for i in np.flatnonzero(found):
-                begin = int(last[i]) + n
-                out[i] = arr[i, begin : begin + ks[i]].tolist()
+            for row in np.flatnonzero(found).tolist():
+                begin = int(last[row]) + n
+                out[row] = arr[row, begin : begin + ks[row]].tolist()
             todo &= ~found
         self.seconds += time.perf_counter() - started
         self.num_calls += 1
