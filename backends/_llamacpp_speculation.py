@@ -16,23 +16,18 @@ instead, so a broken policy cannot stop the loop.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from backends.base import SpeculationStats
 from core_engine.policy import (
-    AdaptiveSpeculationPolicy,
+    GuardedSpeculationPolicy,
     SpeculationContext,
-    SpeculationDecision,
     SpeculationMethod,
     SpeculationPolicy,
 )
 
 __all__ = ["METHODS", "NgramProposer", "SpeculationChooser"]
-
-logger = logging.getLogger(__name__)
 
 #: The methods this backend can run (a draft model is not one of them).
 METHODS: tuple[SpeculationMethod, ...] = ("ngram",)
@@ -85,33 +80,20 @@ class SpeculationChooser:
     """Asks ``policy`` for a sequence's proposal length at one step; see the module."""
 
     def __init__(self, policy: SpeculationPolicy, *, max_proposal: int, name: str) -> None:
-        self.policy = policy
+        self._policy = GuardedSpeculationPolicy(policy, owner=f"backend {name}")
         self.max_proposal = max_proposal
-        self._name = name
-        self._fallback = AdaptiveSpeculationPolicy()
-        self._warned = False
+
+    @property
+    def policy(self) -> SpeculationPolicy:
+        return self._policy.policy
 
     def use_policy(self, policy: SpeculationPolicy) -> None:
         """Ask ``policy`` from now on (a failure of it is logged once again)."""
-        self.policy = policy
-        self._warned = False
+        self._policy.use(policy)
 
     def choose(self, context: SpeculationContext) -> int:
         """How many n-gram tokens to propose (0: decode plainly this step)."""
-        try:
-            decision = self.policy.choose_speculation(context)
-            if not isinstance(decision, SpeculationDecision):
-                raise TypeError(f"answered {type(decision).__name__}, not a SpeculationDecision")
-        except Exception:
-            if not self._warned:
-                self._warned = True
-                logger.warning(
-                    "backend %s: the speculation policy failed; AdaptiveSpeculationPolicy "
-                    "decides instead",
-                    self._name,
-                    exc_info=True,
-                )
-            decision = self._fallback.choose_speculation(context)
+        decision = self._policy.choose_speculation(context)
         if decision.method != "ngram":  # None, or a method this backend does not run
             return 0
         return max(0, min(decision.num_speculative_tokens, self.max_proposal))

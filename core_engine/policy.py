@@ -23,6 +23,7 @@ This module imports nothing beyond msgspec (no torch), and nothing from the gate
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Literal, Protocol, runtime_checkable
@@ -34,6 +35,7 @@ __all__ = [
     "DefaultQuantizationPolicy",
     "EnginePolicies",
     "FixedSpeculationPolicy",
+    "GuardedSpeculationPolicy",
     "KVCacheDType",
     "KVOffloadContext",
     "KVOffloadDecision",
@@ -328,6 +330,39 @@ class FixedSpeculationPolicy:
         if method is None or method not in context.methods:
             return SpeculationDecision()
         return SpeculationDecision(method=method, num_speculative_tokens=self.num_tokens)
+
+
+class GuardedSpeculationPolicy:
+    """``policy``, except that an exception or an answer that is not a
+    :class:`SpeculationDecision` is logged once (per ``use``) and
+    :class:`AdaptiveSpeculationPolicy` answers: a broken policy cannot stop an engine loop."""
+
+    def __init__(self, policy: SpeculationPolicy, *, owner: str = "engine") -> None:
+        self.policy = policy
+        self._owner = owner
+        self._fallback = AdaptiveSpeculationPolicy()
+        self._warned = False
+
+    def use(self, policy: SpeculationPolicy) -> None:
+        """Ask ``policy`` from now on (its failure is logged once again)."""
+        self.policy = policy
+        self._warned = False
+
+    def choose_speculation(self, context: SpeculationContext) -> SpeculationDecision:
+        try:
+            decision = self.policy.choose_speculation(context)
+            if isinstance(decision, SpeculationDecision):
+                return decision
+            raise TypeError(f"answered {type(decision).__name__}, not a SpeculationDecision")
+        except Exception:
+            if not self._warned:
+                self._warned = True
+                logging.getLogger(__name__).warning(
+                    "%s: the speculation policy failed; AdaptiveSpeculationPolicy decides instead",
+                    self._owner,
+                    exc_info=True,
+                )
+        return self._fallback.choose_speculation(context)
 
 
 # -- the bundle the engine receives ---------------------------------------------------------

@@ -75,12 +75,11 @@ from backends.worker.protocol import (
     from_wire,
 )
 from core_engine.policy import (
-    AdaptiveSpeculationPolicy,
     EnginePolicies,
+    GuardedSpeculationPolicy,
     SpeculationContext,
     SpeculationDecision,
     SpeculationMethod,
-    SpeculationPolicy,
 )
 
 __all__ = ["WorkerBackend", "factory_path"]
@@ -158,8 +157,7 @@ class WorkerBackend:
         self._speculation_methods: tuple[SpeculationMethod, ...] = ()
         if callable(getattr(local, "use_policies", None)):
             self._speculation_methods = tuple(getattr(local, "speculation_methods", ()))
-        self._speculation_policy: SpeculationPolicy | None = None
-        self._speculation_warned = False
+        self._speculation_policy: GuardedSpeculationPolicy | None = None
         #: Times the worker was started again after it died.
         self.restarts = 0
         #: How the last worker ended ("killed by SIGSEGV"), or None.
@@ -342,7 +340,9 @@ class WorkerBackend:
         """Keep ``policies.speculation`` to decide each request at submit (see the module);
         ignored when the local backend does not speculate."""
         if self._speculation_methods:
-            self._speculation_policy = policies.speculation
+            self._speculation_policy = GuardedSpeculationPolicy(
+                policies.speculation, owner=f"backend {self.name}"
+            )
 
     def _speculation_for(self, request: GenerationRequest) -> SpeculationDecision | None:
         """The speculation policy's answer for ``request`` (None: not asked)."""
@@ -359,21 +359,7 @@ class WorkerBackend:
             labels=request.labels,
             tenant=request.tenant,
         )
-        try:
-            decision = policy.choose_speculation(context)
-            if not isinstance(decision, SpeculationDecision):
-                raise TypeError(f"answered {type(decision).__name__}, not a SpeculationDecision")
-        except Exception:
-            if not self._speculation_warned:
-                self._speculation_warned = True
-                logger.warning(
-                    "backend %s: the speculation policy failed; AdaptiveSpeculationPolicy "
-                    "decides instead",
-                    self.name,
-                    exc_info=True,
-                )
-            decision = AdaptiveSpeculationPolicy().choose_speculation(context)
-        return decision
+        return policy.choose_speculation(context)
 
     # -- the Backend contract ---------------------------------------------------------------
 

@@ -14,14 +14,13 @@ else's decode. A policy that raises or answers nonsense is logged once and the b
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 from core_engine.policy import (
     AdaptiveSpeculationPolicy,
+    GuardedSpeculationPolicy,
     SpeculationContext,
-    SpeculationDecision,
     SpeculationMethod,
     SpeculationPolicy,
 )
@@ -29,8 +28,6 @@ from core_engine.spec_decode.draft import DraftProposer
 from core_engine.spec_decode.ngram import NgramProposer
 
 __all__ = ["Speculator"]
-
-logger = logging.getLogger(__name__)
 
 
 class Speculator:
@@ -49,14 +46,20 @@ class Speculator:
         self.methods: tuple[SpeculationMethod, ...] = tuple(methods)
         self.max_proposal = max_proposal
         self.max_model_len = max_model_len
-        self.policy: SpeculationPolicy = policy or AdaptiveSpeculationPolicy()
+        self._policy = GuardedSpeculationPolicy(policy or AdaptiveSpeculationPolicy())
         self.ngram = ngram
         self.draft = draft
-        self._fallback = AdaptiveSpeculationPolicy()
-        self._warned = False
         #: Requests asked about and requests given a proposal, since start.
         self.num_decisions = 0
         self.num_proposals = 0
+
+    @property
+    def policy(self) -> SpeculationPolicy:
+        return self._policy.policy
+
+    @policy.setter
+    def policy(self, policy: SpeculationPolicy) -> None:
+        self._policy.use(policy)
 
     def release(self, request: Any) -> None:
         """The request's KV is gone (finished, aborted, preempted)."""
@@ -64,22 +67,6 @@ class Speculator:
             self.ngram.release(request)
         if self.draft is not None:
             self.draft.release(request)
-
-    def _decide(self, context: SpeculationContext) -> SpeculationDecision:
-        try:
-            decision = self.policy.choose_speculation(context)
-            if isinstance(decision, SpeculationDecision):
-                return decision
-            problem = f"answered {type(decision).__name__}, not a SpeculationDecision"
-        except Exception:
-            problem = "raised"
-            if not self._warned:
-                logger.warning("the speculation policy raised; the default policy decides", exc_info=True)
-                self._warned = True
-        if not self._warned:
-            logger.warning("the speculation policy %s; the default policy decides", problem)
-            self._warned = True
-        return self._fallback.choose_speculation(context)
 
     def propose(self, running: Sequence[Any]) -> None:
         """Set ``spec_token_ids`` on the decoding requests of ``running`` that speculate now."""
@@ -94,7 +81,7 @@ class Speculator:
             if room < 1:
                 continue
             params = request.sampling_params
-            decision = self._decide(
+            decision = self._policy.choose_speculation(
                 SpeculationContext(
                     req_id=request.req_id,
                     methods=self.methods,

@@ -193,12 +193,13 @@ def write_llama_gguf(
     return path
 
 
-def write_dequantized_f32_copy(source: str | Path, path: str | Path) -> Path:
+def write_dequantized_f32_copy(source: str | Path, path: str | Path, *, num_layers: int | None = None) -> Path:
     """Copy ``source`` to ``path`` with every tensor dequantised to F32 (metadata unchanged).
 
     llama.cpp computes F32 weights with F32 activations, so on the copy it is an exact oracle
     for the engine's arithmetic on the very weights of a quantised file (on the quantised file
     llama.cpp rounds activations to 8 bits first). Tensors keep llama.cpp's q/k row order.
+    ``num_layers`` keeps only the first blocks (a draft model with the same vocabulary).
     """
     from core_engine.gguf_loader import GGUFFile
 
@@ -208,10 +209,16 @@ def write_dequantized_f32_copy(source: str | Path, path: str | Path) -> Path:
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
             continue
+        if num_layers is not None and key == f"{src.architecture}.block_count":
+            writer.add_block_count(num_layers)
+            continue
         sub_type = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type)
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, src.dequantized(tensor.name).numpy())
+        name = tensor.name
+        if num_layers is not None and name.startswith("blk.") and int(name.split(".")[1]) >= num_layers:
+            continue
+        writer.add_tensor(name, src.dequantized(name).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -220,28 +227,5 @@ def write_dequantized_f32_copy(source: str | Path, path: str | Path) -> Path:
 
 
 def write_first_layers_copy(source: str | Path, path: str | Path, num_layers: int) -> Path:
-    """Copy ``source`` keeping only its first ``num_layers`` blocks (a draft model with the
-    same vocabulary and tokenizer; tensors dequantised to F32, like
-    :func:`write_dequantized_f32_copy`)."""
-    from core_engine.gguf_loader import GGUFFile
-
-    src = GGUFFile(source)
-    reader = src.reader
-    writer = gguf.GGUFWriter(str(path), src.architecture)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
-            continue
-        if key == f"{src.architecture}.block_count":
-            writer.add_block_count(num_layers)
-            continue
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
-    for tensor in reader.tensors:
-        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= num_layers:
-            continue
-        writer.add_tensor(tensor.name, src.dequantized(tensor.name).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    """A draft model: ``source`` with only its first ``num_layers`` blocks (F32)."""
+    return write_dequantized_f32_copy(source, path, num_layers=num_layers)
