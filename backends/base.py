@@ -117,6 +117,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int
     #: Prompt tokens served from a prefix cache; None when the backend cannot tell.
     cached_tokens: int | None = None
+    #: ``cached_tokens`` by the KV tier they came from ("device", "host", "disk"), for
+    #: engines with KV tiers (tracing); None otherwise.
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 class EnginePhases(msgspec.Struct, frozen=True, kw_only=True):

@@ -87,6 +87,20 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     #: Speculative decoding mechanisms to load (absent: off). Per request and step the
     #: speculation policy (hook ``infermux_choose_speculation``) picks the method and k.
     speculation: SpeculationOptions | None = None
+    #: How the KV cache stores K/V: "auto" (the compute dtype), "int8" (per-block, per-head
+    #: scales; ~2x the tokens of bf16 in the same memory), "fp8_e4m3"/"fp8_e5m2" (where torch
+    #: has the dtype), "bfloat16", "float16", "float32". What the built-in quantization policy
+    #: answers unless its settings or a plugin (hook ``infermux_choose_quantization``) decide
+    #: otherwise.
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    #: KV tiers (absent: off): host memory for evicted prefix blocks, and a disk directory
+    #: (with its byte budget) whose blocks survive restarts. Hook ``infermux_plan_kv_offload``
+    #: decides per step what else moves.
+    kv_host_bytes: int | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int | None = None
+    #: Most of each tier one tenant's cached prefixes may hold (0..1; absent: no quota).
+    kv_tenant_quota: float | None = None
 
 
 class CoreEngineBackend:
@@ -100,6 +114,7 @@ class CoreEngineBackend:
         self.options = decode_options(config, CoreEngineOptions)
         if self.options.kv_cache_memory_mb < 1:
             raise ValueError(f"backends.{config.name}.options.kv_cache_memory_mb: must be at least 1")
+        self._check_tier_options()
         self.capabilities = Capabilities(logprobs=True, echo=True, structured_outputs=False, max_top_logprobs=20)
         self._llm: Any | None = None  # AsyncLLM
         self._template: ChatTemplate | None = None
@@ -109,6 +124,20 @@ class CoreEngineBackend:
         self._counter = 0
         self._policies: Any = None  # EnginePolicies, from use_policies()
         self._spec_config: Any = self._speculation_config()
+
+    def _check_tier_options(self) -> None:
+        o = self.options
+        prefix = f"backends.{self.name}.options."
+        for key in ("kv_host_bytes", "kv_disk_bytes"):
+            value = getattr(o, key)
+            if value is not None and value < 1:
+                raise BackendConfigError(f"{prefix}{key}: must be a positive number of bytes, got {value}")
+        if o.kv_disk_bytes is not None and o.kv_disk_dir is None:
+            raise BackendConfigError(f"{prefix}kv_disk_bytes: set kv_disk_dir too (the disk tier's directory)")
+        if o.kv_tenant_quota is not None and not 0.0 < o.kv_tenant_quota <= 1.0:
+            raise BackendConfigError(f"{prefix}kv_tenant_quota: must be in (0, 1], got {o.kv_tenant_quota}")
+        if (o.kv_host_bytes or o.kv_disk_dir) and not o.enable_prefix_caching:
+            raise BackendConfigError(f"{prefix}kv_host_bytes/kv_disk_dir: the KV tiers need enable_prefix_caching")
 
     def _speculation_config(self) -> Any:
         spec = self.options.speculation
@@ -202,6 +231,12 @@ class CoreEngineBackend:
                 num_threads=o.num_threads,
                 seed=o.seed,
                 speculation=self._spec_config,
+                model_name=self.name,
+                kv_cache_dtype=o.kv_cache_dtype,
+                kv_host_memory_bytes=o.kv_host_bytes or 0,
+                kv_disk_dir=None if o.kv_disk_dir is None else str(Path(o.kv_disk_dir).expanduser()),
+                kv_disk_bytes=o.kv_disk_bytes if o.kv_disk_bytes is not None else 8 * 2**30,
+                kv_tenant_quota=o.kv_tenant_quota,
             )
             llm = AsyncLLM.from_config(config, policies=self._policies)
         except ValueError as exc:  # options this machine or file cannot run (weight_format...)
@@ -269,6 +304,13 @@ class CoreEngineBackend:
             figures["spec_decode_num_accepted_tokens"] = float(scheduler.num_spec_accepted_tokens)
             if speculator.ngram is not None:
                 figures["spec_decode_ngram_seconds"] = speculator.ngram.seconds
+        kv = engine.kv_cache_manager
+        figures["kv_cache_num_blocks"] = float(kv.num_blocks)
+        figures["kv_cache_capacity_tokens"] = float(kv.num_blocks * kv.block_size)
+        if engine.tiers is not None:
+            figures |= engine.tiers.stats()
+            for tier, tokens in engine.tiers.hit_tokens.items():
+                figures[f"kv_hit_rate:{tier}"] = tokens / admitted if admitted else 0.0
         return figures
 
     @property
@@ -462,6 +504,7 @@ class CoreEngineBackend:
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=completion,
             cached_tokens=out.num_cached_tokens,
+            cached_tokens_by_tier=out.cached_tokens_by_tier,
         )
 
 

@@ -193,7 +193,7 @@ def main() -> None:
             compile_decode=args.compile_decode,
         )
     )
-    dtype = engine.model_runner.kv_cache.storage.dtype
+    dtype = engine.model_runner.kv_cache.dtype
     tok = engine.tokenizer
     corpus = tok.encode(TEXT * 60, add_special=False)
     llama = llama_multi = None

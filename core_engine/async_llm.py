@@ -215,6 +215,10 @@ class AsyncLLM:
             logger.exception("engine loop crashed")
             self._dead = exc
         finally:
+            try:
+                engine.close()  # queued KV disk writes reach the disk before the thread ends
+            except Exception:
+                logger.exception("closing the engine failed")
             error = EngineDeadError(f"the engine loop stopped: {self._dead!r}" if self._dead else "engine shut down")
             for stream in self._streams.values():
                 _send(stream, error)

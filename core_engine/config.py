@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
+
+from core_engine.policy import KVCacheDType
 
 __all__ = ["EngineConfig", "SpeculationConfig", "resolve_dtype"]
 
@@ -52,6 +54,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     model_path: str
+    #: The name policies see (``QuantizationContext.model_name``); None: the file's stem.
+    model_name: str | None = None
     #: "auto": bfloat16 where the CPU/GPU runs bf16 matmuls natively, else float32.
     dtype: DType = "auto"
     #: How the matmul weights are stored (see :mod:`core_engine.model.linear`): "auto" and
@@ -62,6 +66,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "cpu"
     #: Memory for the KV-cache pool (all layers, K and V).
     kv_cache_memory_bytes: int = 512 * 2**20
+    #: How K/V are stored (see :mod:`core_engine.kv_quant`): "auto" is the compute dtype;
+    #: "int8" / "fp8_*" keep codes with a float32 scale per block and kv head, so the same
+    #: memory holds ~2x the tokens of bf16 (~4x of fp32). fp8 needs a torch that casts it on
+    #: ``device``.
+    kv_cache_dtype: KVCacheDType = "auto"
     block_size: int = 16
     #: Chunked-prefill token budget per step (decodes count one token each).
     max_num_batched_tokens: int = 512
@@ -79,13 +88,31 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     compile_decode: bool = False
     #: Speculative decoding (None: off, and nothing of it runs).
     speculation: SpeculationConfig | None = None
+    #: KV tiers below the pool (see :mod:`core_engine.kv_offload`): host memory for evicted
+    #: prefix blocks (0: no host tier), and a disk directory with its byte budget (None: no
+    #: disk tier). Blocks on disk are reused by a restarted engine with the same model file.
+    kv_host_memory_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 8 * 2**30
+    #: Most of each tier's blocks one tenant's cached prefixes may hold (a fraction; None:
+    #: no quota). A tenant at its quota recycles its own least recently used blocks.
+    kv_tenant_quota: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_dtype not in get_args(KVCacheDType):
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be one of {list(get_args(KVCacheDType))}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_host_memory_bytes < 0 or self.kv_disk_bytes < 0:
+            raise ValueError("EngineConfig.kv_host_memory_bytes and kv_disk_bytes must be >= 0")
+        if self.kv_tenant_quota is not None and not 0.0 < self.kv_tenant_quota <= 1.0:
+            raise ValueError(f"EngineConfig.kv_tenant_quota must be in (0, 1], got {self.kv_tenant_quota}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
 

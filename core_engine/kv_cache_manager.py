@@ -52,12 +52,24 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Which blocks each request holds; allocation with prefix reuse; freeing."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_caching: bool = True,
+        tenant_quota: int | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching, tenant_quota=tenant_quota)
+        #: Blocks registered in the prefix cache since the last :meth:`take_newly_cached`
+        #: (their K/V are written by the step being scheduled); the KV tiers write them
+        #: through to disk after that step. Collected only while ``track_new_blocks``.
+        self.track_new_blocks = False
+        self._newly_cached: list[tuple[KVCacheBlock, bytes]] = []
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -80,7 +92,7 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
 
-    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+    def update_block_hashes(self, request: Request, num_tokens: int) -> None:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
@@ -96,7 +108,7 @@ class KVCacheManager:
             return [], 0
         # Leave at least one token to compute: the last position's logits are needed.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        self._update_block_hashes(request, max_hit_blocks * self.block_size)
+        self.update_block_hashes(request, max_hit_blocks * self.block_size)
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -139,7 +151,9 @@ class KVCacheManager:
             self.req_to_blocks[request.req_id] = req_blocks
         self.block_pool.touch(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        new_blocks = (
+            self.block_pool.get_new_blocks(num_new_blocks, tenant=request.tenant) if num_new_blocks > 0 else []
+        )
         req_blocks.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, num_total)
@@ -152,10 +166,20 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.req_id, 0)
         if num_full <= start:
             return
-        self._update_block_hashes(request, num_full * self.block_size)
+        self.update_block_hashes(request, num_full * self.block_size)
+        pool = self.block_pool
         for i in range(start, num_full):
-            self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
+            block = req_blocks[i]
+            block_hash = request.block_hashes[i]
+            if pool.cache_full_block(block, block_hash, tenant=request.tenant) and self.track_new_blocks:
+                self._newly_cached.append((block, block_hash))
         self._num_cached_blocks[request.req_id] = num_full
+
+    def take_newly_cached(self) -> list[tuple[KVCacheBlock, bytes]]:
+        """``(block, hash)`` registered since the last call (see ``track_new_blocks``); a
+        block whose hash changed since was handed out again, its old content is gone."""
+        out, self._newly_cached = self._newly_cached, []
+        return out
 
     def free(self, request: Request) -> None:
         """Release all of ``request``'s blocks now (finish, abort or preemption)."""

@@ -10,17 +10,25 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from core_engine.config import EngineConfig, resolve_dtype
 from core_engine.errors import InvalidParamError, RequestTooLongError
 from core_engine.kv_cache_manager import KVCacheManager
+from core_engine.kv_offload.tiers import KVTiers, tier_block_nbytes
 from core_engine.model_runner import ModelRunner
 from core_engine.output import RequestMetrics, RequestOutput, SpeculationMetrics, TokenLogprobs
 from core_engine.paged_attention import KVCache
-from core_engine.policy import EnginePolicies
+from core_engine.policy import (
+    EnginePolicies,
+    QuantizationContext,
+    QuantizationDecision,
+    QuantizationPolicy,
+)
 from core_engine.request import Request, RequestStatus
 from core_engine.sampling_params import SamplingParams
 from core_engine.scheduler import Scheduler
@@ -47,6 +55,66 @@ class _OutputState:
         self.prompt_logprobs_sent = False
 
 
+_WEIGHTS_TO_FORMAT = {"int8": "int8", "float16": "fp16"}
+
+
+def apply_quantization_policy(config: EngineConfig, policy: QuantizationPolicy) -> EngineConfig:
+    """Ask ``policy`` for the weight and KV cache dtypes (once, before the weights are read)
+    and return the config that honours its answer; ``ValueError`` when it cannot be honoured.
+
+    The context's ``requested`` is what the config asks for, so the default policy keeps it.
+    """
+    requested = QuantizationDecision(
+        weights={"int8": "int8", "fp16": "float16"}.get(config.weight_format, "auto"),  # type: ignore[arg-type]
+        kv_cache=config.kv_cache_dtype,
+    )
+    context = QuantizationContext(
+        model_name=config.model_name or Path(config.model_path).stem,
+        model_path=config.model_path,
+        device=config.device,
+        file_type=_file_type(config.model_path),
+        max_model_len=config.max_model_len,
+        requested=requested,
+    )
+    decision = policy.choose_quantization(context)
+    if not isinstance(decision, QuantizationDecision):
+        raise ValueError(f"the quantization policy answered {type(decision).__name__}, not a QuantizationDecision")
+    changes: dict[str, Any] = {}
+    if decision.kv_cache != config.kv_cache_dtype:
+        changes["kv_cache_dtype"] = decision.kv_cache
+    if decision.weights != requested.weights:
+        if decision.weights == "auto":
+            changes["weight_format"] = "auto"
+        elif decision.weights in _WEIGHTS_TO_FORMAT:
+            changes["weight_format"] = _WEIGHTS_TO_FORMAT[decision.weights]
+        else:
+            raise ValueError(
+                f"the quantization policy chose weights={decision.weights!r}; this engine stores weights "
+                "as 'auto', 'int8' or 'float16'"
+            )
+    if changes:
+        logger.info("quantization policy for %s: %s", context.model_name, changes)
+        config = msgspec.structs.replace(config, **changes)
+    return config
+
+
+def _file_type(model_path: str) -> str | None:
+    try:
+        from core_engine.gguf_loader import read_metadata
+
+        value = read_metadata(model_path).get("general.file_type")
+    except Exception:  # the load proper reports unreadable files
+        return None
+    if value is None:
+        return None
+    try:
+        from gguf import LlamaFileType
+
+        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
+    except (ImportError, ValueError):
+        return str(value)
+
+
 class LLMEngine:
     """Continuous-batching engine over one model (see :mod:`core_engine.scheduler`)."""
 
@@ -71,6 +139,7 @@ class LLMEngine:
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
             dtype=dtype,
+            cache_dtype=config.kv_cache_dtype,
         )
         num_blocks = config.kv_cache_memory_bytes // block_bytes
         if num_blocks < 1:
@@ -79,7 +148,8 @@ class LLMEngine:
                 f"KV block ({block_bytes} bytes)"
             )
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+            num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            tenant_quota=None if config.kv_tenant_quota is None else max(1, int(num_blocks * config.kv_tenant_quota)),
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -88,16 +158,19 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.model_runner = ModelRunner(
-            model, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, device=config.device,
+            model, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
+            kv_cache_dtype=config.kv_cache_dtype, device=config.device,
             compile_decode=config.compile_decode, seed=config.seed,
         )
         self.eos_token_ids = frozenset(tokenizer.stop_token_ids)
         self._states: dict[str, _OutputState] = {}
         self.policies = policies or EnginePolicies()
         self.speculator = self._build_speculator(config, num_blocks, block_bytes, dtype, draft_model)
+        self.tiers = self._build_tiers(config)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s), max_model_len %d",
-            num_blocks, config.block_size, num_blocks * block_bytes / 2**20, dtype, self.max_model_len,
+            num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
+            self.model_runner.kv_cache.quant.label, self.max_model_len,
         )
 
     def _build_speculator(
@@ -143,11 +216,60 @@ class LLMEngine:
         logger.info("speculative decoding: %s, at most %d tokens per proposal", ", ".join(spec.methods), spec.max_proposal)
         return speculator
 
+    def _build_tiers(self, config: EngineConfig) -> KVTiers | None:
+        """The host and disk KV tiers the config asks for (None: neither)."""
+        if not config.enable_prefix_caching or (config.kv_host_memory_bytes <= 0 and config.kv_disk_dir is None):
+            return None
+        kv_cache = self.model_runner.kv_cache
+        block_nbytes = tier_block_nbytes(kv_cache)
+        host_blocks = config.kv_host_memory_bytes // block_nbytes
+        if config.kv_host_memory_bytes > 0 and host_blocks < 1:
+            raise ValueError(
+                f"EngineConfig.kv_host_memory_bytes={config.kv_host_memory_bytes} is below one KV block "
+                f"({block_nbytes} bytes)"
+            )
+        disk = None
+        if config.kv_disk_dir is not None:
+            from core_engine.kv_offload import DiskKVStore, model_fingerprint
+
+            mc = self.model_config
+            layout = (
+                f"kv-v1 kv={kv_cache.quant.name} storage={kv_cache.storage.dtype} compute={kv_cache.dtype} "
+                f"layers={mc.num_layers} block={config.block_size} kv_heads={mc.num_kv_heads} head_dim={mc.head_dim}"
+            )
+            disk = DiskKVStore(
+                config.kv_disk_dir,
+                capacity_bytes=config.kv_disk_bytes,
+                fingerprint=model_fingerprint(config.model_path, extra=layout),
+                block_nbytes=block_nbytes,
+                # The writer absorbs a prefill's burst of new blocks; ~256 MiB at most.
+                max_pending_writes=max(64, (256 * 2**20) // block_nbytes),
+                logger=logging.getLogger("core_engine.kv_offload"),
+            )
+        tiers = KVTiers(
+            kv_cache=kv_cache, kv_manager=self.kv_cache_manager, host_blocks=host_blocks, disk=disk,
+            policy=self.policies.kv_offload, tenant_quota_fraction=config.kv_tenant_quota,
+        )
+        self.scheduler.tiers = tiers
+        logger.info(
+            "KV tiers: host %d blocks (%.0f MiB)%s",
+            host_blocks, host_blocks * block_nbytes / 2**20,
+            f", disk {config.kv_disk_dir} (up to {config.kv_disk_bytes / 2**30:.1f} GiB)" if disk is not None else "",
+        )
+        return tiers
+
     def use_policies(self, policies: EnginePolicies) -> None:
         """Consult ``policies`` from the next step on."""
         self.policies = policies
         if self.speculator is not None:
             self.speculator.policy = policies.speculation
+        if self.tiers is not None:
+            self.tiers.policy = policies.kv_offload
+
+    def close(self) -> None:
+        """Release what outlives a step: queued disk writes of the KV tiers are finished."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, policies: EnginePolicies | None = None) -> LLMEngine:
@@ -156,6 +278,7 @@ class LLMEngine:
 
         if config.num_threads is not None and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
+        config = apply_quantization_policy(config, (policies or EnginePolicies()).quantization)
         dtype = resolve_dtype(config.dtype, config.device)
         model, _, tokenizer = load_model(config.model_path, dtype=dtype, device=config.device)
         weight_format = model.set_weight_format(config.weight_format)
@@ -267,12 +390,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return the news of every request that made progress."""
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.begin_step(self.scheduler.running, self.scheduler.waiting)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if tiers is not None:
+                tiers.wait_for_loads(0.002)  # only requests waiting on disk reads are left
             return []
         runner_output = self.model_runner.execute_model(scheduler_output)
+        if tiers is not None:
+            tiers.after_step()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         return [self._make_output(request) for request in updated]
 
@@ -329,6 +459,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            cached_tokens_by_tier=request.cached_tokens_by_tier if finished and self.tiers is not None else None,
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,
                 first_scheduled_time=request.first_scheduled_time,

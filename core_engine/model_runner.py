@@ -25,7 +25,11 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the model, the KV pool and the sampler; :meth:`execute_model` runs one step."""
+    """Owns the model, the KV pool and the sampler; :meth:`execute_model` runs one step.
+
+    ``dtype`` is the compute dtype; ``kv_cache_dtype`` how the pool stores K/V
+    (:mod:`core_engine.kv_quant`).
+    """
 
     def __init__(
         self,
@@ -34,6 +38,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
         device: torch.device | str = "cpu",
         compile_decode: bool = False,
         seed: int | None = None,
@@ -50,6 +55,7 @@ class ModelRunner:
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             dtype=dtype,
+            cache_dtype=kv_cache_dtype,
             device=self.device,
         )
         self.attn = PagedAttention(self.kv_cache, num_heads=config.num_heads)

@@ -61,8 +61,10 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     num_output_tokens: int = 0
     #: Prompt tokens served from the prefix cache (None before first scheduling).
     num_cached_tokens: int | None = None
+    #: The cached prompt tokens by the KV tier they came from ("device", "host", "disk"),
+    #: on the last output of an engine with KV tiers.
+    cached_tokens_by_tier: dict[str, int] | None = None
     metrics: RequestMetrics | None = None
-    speculation: SpeculationMetrics | None = None
     #: On the last output, when the engine has speculation configured.
     speculation: SpeculationMetrics | None = None
 

@@ -9,7 +9,11 @@ contract with ``core_engine/kernels``, also in :mod:`core_engine.kv_cache_manage
 * token ``j`` of a sequence is at ``slot = block_table[j // block_size] * block_size +
   j % block_size`` of ``k_caches[l].view(-1, n_kv_heads, head_dim)``;
 * decode batches pass ``block_tables`` ``(num_seqs, max_blocks)`` int32 and ``context_lens``
-  ``(num_seqs,)`` int32 (attention length including the new token).
+  ``(num_seqs,)`` int32 (attention length including the new token);
+* quantized pools (``kv_cache_dtype`` int8 / fp8, :mod:`core_engine.kv_quant`) store codes in
+  those views and one float32 scale per (layer, K/V, block, kv head) in ``KVCache.scales``;
+  ``k_scale``/``v_scale`` of layer ``l`` are ``scales[l, 0]``/``scales[l, 1]``, ``(num_blocks,
+  n_kv_heads)``.
 
 One step's tokens are laid out decodes first, then prefill chunks. A decode is one new token,
 or (speculative decoding) the last sampled token plus the proposed ones: a *multi-token
@@ -20,6 +24,9 @@ torch path all decodes of a step, single- and multi-token, are one batched atten
 block cached by another request this same step is already filled when read), then attends:
 decodes in one batched call, each prefill chunk causally over its cached prefix plus itself.
 On CUDA the decode uses the Triton paged-decode kernel of ``core_engine.kernels`` when present.
+A quantized pool is dequantized where it is read: after the gather on the torch path (decodes
+and prefill chunks with a cached prefix; a chunk without one attends over its fresh k/v), in
+the tile loop of the decode kernel.
 """
 
 from __future__ import annotations
@@ -31,11 +38,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from core_engine.kv_quant import (
+    KVWritePlan,
+    dequantize,
+    kv_quant_spec,
+    plan_kv_write,
+    resolve_kv_cache_dtype,
+    write_quantized,
+)
+
 __all__ = ["AttentionMetadata", "KVCache", "PagedAttention", "PrefillSpan"]
 
 
 class KVCache:
-    """The preallocated K/V pool of all layers (see the module docstring for the layout)."""
+    """The preallocated K/V pool of all layers (see the module docstring for the layout).
+
+    ``dtype`` is the model's compute dtype; ``cache_dtype`` (a ``kv_cache_dtype`` name, see
+    :mod:`core_engine.kv_quant`) how the values are stored. Quantized pools keep int8 (or fp8
+    bytes as uint8) in ``storage`` and a float32 ``scales`` tensor
+    ``(num_layers, 2, num_blocks, n_kv_heads)``: one scale per layer, K/V, block and kv head.
+    """
 
     def __init__(
         self,
@@ -46,6 +68,7 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        cache_dtype: str = "auto",
         device: torch.device | str = "cpu",
     ) -> None:
         self.num_layers = num_layers
@@ -53,10 +76,17 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.dtype = dtype
+        self.quant = resolve_kv_cache_dtype(cache_dtype, dtype, device)
         # (layers, 2, num_blocks, block_size, n_kv_heads, head_dim): one allocation for all.
         self.storage = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+            dtype=self.quant.storage_dtype, device=device,
         )
+        # (layers, 2, num_blocks, n_kv_heads) float32; None when values are stored unscaled.
+        self.scales: Tensor | None = None
+        if self.quant.is_quantized:
+            self.scales = torch.zeros((num_layers, 2, num_blocks, num_kv_heads), dtype=torch.float32, device=device)
         self.k_caches = [self.storage[i, 0] for i in range(num_layers)]
         self.v_caches = [self.storage[i, 1] for i in range(num_layers)]
         # Flat slot views, (num_blocks * block_size, n_kv_heads, head_dim).
@@ -65,15 +95,61 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(
-        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        *,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        cache_dtype: str = "auto",
     ) -> int:
-        """Bytes one block costs across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        """Bytes one block costs across all layers (K and V, and their scales if quantized)."""
+        spec = kv_quant_spec(cache_dtype, dtype)
+        per_head = block_size * head_dim * spec.storage_dtype.itemsize
+        if spec.is_quantized:
+            per_head += torch.float32.itemsize  # its scale
+        return 2 * num_layers * num_kv_heads * per_head
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's data and scales (all layers, K and V)."""
+        return self.bytes_per_block(
+            num_layers=self.num_layers, block_size=self.block_size, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, dtype=self.dtype, cache_dtype=self.quant.name,
+        )
 
     @property
     def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.storage.numel() * self.storage.element_size() + scales
+
+    def gather_blocks(self, block_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Copies of the blocks ``block_ids`` (n,): their data ``(num_layers, 2, n, block_size,
+        n_kv_heads, head_dim)`` in the storage dtype (fp8 as its bytes) and their scales
+        ``(num_layers, 2, n, n_kv_heads)`` (None when unquantized), on the pool's device."""
+        ids = block_ids.to(device=self.storage.device, dtype=torch.long)
+        data = self.storage.index_select(2, ids)
+        scales = None if self.scales is None else self.scales.index_select(2, ids)
+        return data, scales
+
+    def scatter_blocks(self, block_ids: Tensor, data: Tensor, scales: Tensor | None) -> None:
+        """Write blocks back (the inverse of :meth:`gather_blocks`; any device)."""
+        ids = block_ids.to(device=self.storage.device, dtype=torch.long)
+        n = ids.shape[0]
+        expected = (self.num_layers, 2, n, self.block_size, self.num_kv_heads, self.head_dim)
+        if tuple(data.shape) != expected or data.dtype != self.storage.dtype:
+            raise ValueError(
+                f"data must be {expected} {self.storage.dtype}, got {tuple(data.shape)} {data.dtype}"
+            )
+        if (scales is None) != (self.scales is None):
+            raise ValueError("scales must be given exactly when the cache is quantized")
+        if scales is not None and tuple(scales.shape) != (self.num_layers, 2, n, self.num_kv_heads):
+            raise ValueError(
+                f"scales must be {(self.num_layers, 2, n, self.num_kv_heads)}, got {tuple(scales.shape)}"
+            )
+        self.storage.index_copy_(2, ids, data.to(self.storage.device))
+        if self.scales is not None and scales is not None:
+            self.scales.index_copy_(2, ids, scales.to(device=self.scales.device, dtype=torch.float32))
 
 
 @dataclass(slots=True)
@@ -224,7 +300,9 @@ class PagedAttention:
 
     Call :meth:`prepare` with the step's :class:`AttentionMetadata` before the model forward.
     ``use_kernels``: None picks the Triton kernels on CUDA and torch elsewhere; True forces the
-    kernels (on CPU under the Triton interpreter, for tests).
+    kernels (on CPU under the Triton interpreter, for tests). A quantized cache is written by
+    :func:`~core_engine.kv_quant.write_quantized` on every device and dequantized where it is
+    read (in the decode kernel, or right after the gather on the torch path).
     """
 
     def __init__(self, kv_cache: KVCache, *, num_heads: int, use_kernels: bool | None = None) -> None:
@@ -236,9 +314,16 @@ class PagedAttention:
         self.scale = kv_cache.head_dim**-0.5
         self.metadata: AttentionMetadata | None = None
         self._multi_mask: Tensor | None = None
+        # Quantized caches, per step: the write plan, and the block of each slot read.
+        self._write_plan: KVWritePlan | None = None
+        self._decode_slot_blocks: Tensor | None = None
+        self._prefill_slot_blocks: list[Tensor | None] = []
         device = kv_cache.storage.device
         kernels = _load_kernels(device, use_kernels)
-        self._decode_kernel, self._cache_kernel = kernels if kernels is not None else (None, None)
+        self._decode_kernel: Callable[..., Tensor] | None = None
+        self._cache_kernel: Callable[..., None] | None = None
+        if kernels is not None:
+            self._decode_kernel, self._cache_kernel = kernels
 
     @property
     def uses_kernel(self) -> bool:
@@ -253,47 +338,77 @@ class PagedAttention:
             self._multi_mask = (
                 metadata.decode_mask.unsqueeze(2).expand(d, q, self.group, s).reshape(d, 1, q * self.group, s)
             )
+        if self.kv_cache.quant.is_quantized:
+            bs = self.kv_cache.block_size
+            self._write_plan = plan_kv_write(metadata.slot_mapping, bs)
+            slots = metadata.decode_slots
+            self._decode_slot_blocks = None if slots is None else slots // bs
+            self._prefill_slot_blocks = [
+                None if span.context_slots is None else span.context_slots // bs for span in metadata.prefills
+            ]
 
     def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: (T, n_heads, hd); k, v: (T, n_kv_heads, hd). Returns (T, n_heads, hd)."""
         md = self.metadata
         assert md is not None, "PagedAttention.prepare() was not called"
-        k_slots = self.kv_cache.k_slots[layer_idx]
-        v_slots = self.kv_cache.v_slots[layer_idx]
-        if self._cache_kernel is not None:
-            self._cache_kernel(
-                k, v, self.kv_cache.k_caches[layer_idx], self.kv_cache.v_caches[layer_idx], md.slot_mapping
-            )
+        cache = self.kv_cache
+        if cache.scales is not None:
+            assert self._write_plan is not None
+            write_quantized(cache.storage[layer_idx], cache.scales[layer_idx], k, v, self._write_plan, cache.quant)
+        elif self._cache_kernel is not None:
+            self._cache_kernel(k, v, cache.k_caches[layer_idx], cache.v_caches[layer_idx], md.slot_mapping)
         else:
-            k_slots.index_copy_(0, md.slot_mapping, k)
-            v_slots.index_copy_(0, md.slot_mapping, v)
+            dtype = cache.storage.dtype
+            cache.k_slots[layer_idx].index_copy_(0, md.slot_mapping, k.to(dtype))
+            cache.v_slots[layer_idx].index_copy_(0, md.slot_mapping, v.to(dtype))
         num_d = md.num_decode_tokens
         if not md.prefills:
             return self._decode(layer_idx, q, md)
         out = torch.empty_like(q)
         if num_d:
             out[:num_d] = self._decode(layer_idx, q[:num_d], md)
-        for span in md.prefills:
+        for i, span in enumerate(md.prefills):
             out[span.token_start : span.token_end] = self._prefill(
-                k_slots, v_slots, q[span.token_start : span.token_end],
+                layer_idx, i, q[span.token_start : span.token_end],
                 k[span.token_start : span.token_end], v[span.token_start : span.token_end], span,
             )
         return out
 
+    def _read(self, layer_idx: int, slots: Tensor, slot_blocks: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Keys and values at ``slots`` (N,), (N, n_kv, hd) each in the compute dtype.
+        ``slot_blocks``: the block of each slot (quantized caches: where their scales are)."""
+        cache = self.kv_cache
+        # index_select on the flat slot list is several times faster on CPU than advanced indexing.
+        keys = cache.k_slots[layer_idx].index_select(0, slots)
+        values = cache.v_slots[layer_idx].index_select(0, slots)
+        if cache.scales is not None:
+            assert slot_blocks is not None
+            scales = cache.scales[layer_idx].index_select(1, slot_blocks)  # (2, N, n_kv)
+            keys = dequantize(keys, scales[0], cache.quant, cache.dtype)
+            values = dequantize(values, scales[1], cache.quant, cache.dtype)
+        elif keys.dtype != cache.dtype:
+            keys, values = keys.to(cache.dtype), values.to(cache.dtype)
+        return keys, values
+
     def _decode(self, layer_idx: int, q: Tensor, md: AttentionMetadata) -> Tensor:
         num_d = q.shape[0]
+        cache = self.kv_cache
         if self._decode_kernel is not None:
+            k_cache, v_cache = cache.k_caches[layer_idx], cache.v_caches[layer_idx]
+            k_scale = v_scale = None
+            if cache.scales is not None:
+                k_cache, v_cache = k_cache.view(cache.quant.code_dtype), v_cache.view(cache.quant.code_dtype)
+                k_scale, v_scale = cache.scales[layer_idx, 0], cache.scales[layer_idx, 1]
             return self._decode_kernel(
-                q.contiguous(), self.kv_cache.k_caches[layer_idx], self.kv_cache.v_caches[layer_idx],
-                md.block_tables, md.context_lens, self.scale,
+                q.contiguous(), k_cache, v_cache, md.block_tables, md.context_lens, self.scale,
+                k_scale=k_scale, v_scale=v_scale,
             )
         assert md.decode_slots is not None and md.decode_mask is not None
         num_d = md.num_decodes
-        # Gather each context's keys: (D*S, n_kv, hd) -> (D, n_kv, S, hd). index_select on the
-        # flat slot list is several times faster on CPU than advanced indexing.
+        # Each context's keys: (D*S, n_kv, hd) -> (D, n_kv, S, hd).
         shape = (num_d, md.decode_mask.shape[-1], self.num_kv_heads, self.head_dim)
-        keys = self.kv_cache.k_slots[layer_idx].index_select(0, md.decode_slots).view(shape).transpose(1, 2)
-        values = self.kv_cache.v_slots[layer_idx].index_select(0, md.decode_slots).view(shape).transpose(1, 2)
+        keys, values = self._read(layer_idx, md.decode_slots, self._decode_slot_blocks)
+        keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
         if md.decode_query_rows is not None:
             assert md.decode_real_rows is not None and self._multi_mask is not None
             nq, g, hd, nkv = md.decode_max_queries, self.group, self.head_dim, self.num_kv_heads
@@ -309,16 +424,18 @@ class PagedAttention:
         return out.reshape(num_d, self.num_heads, self.head_dim)
 
     def _prefill(
-        self, k_slots: Tensor, v_slots: Tensor, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan
+        self, layer_idx: int, span_idx: int, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan
     ) -> Tensor:
         # 4-D inputs: torch's CPU flash-attention kernel only takes batched tensors (3-D ones
         # fall back to the math path, 3-4x slower on a 512-token prefill).
         q_ = q.transpose(0, 1).unsqueeze(0)  # (1, n_heads, Tq, hd)
         if span.context_slots is None:
+            # No cached prefix: the chunk's own fresh k/v (not their quantized copies).
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
-            keys = k_slots.index_select(0, span.context_slots).transpose(0, 1)  # (n_kv, S, hd)
-            values = v_slots.index_select(0, span.context_slots).transpose(0, 1)
+            slot_blocks = self._prefill_slot_blocks[span_idx] if self.kv_cache.scales is not None else None
+            keys, values = self._read(layer_idx, span.context_slots, slot_blocks)
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # (n_kv, S, hd)
             mask, causal = span.mask, False
         out = F.scaled_dot_product_attention(
             q_, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,

@@ -64,6 +64,13 @@ SpeculationMethod = Literal["ngram", "draft"]
 # -- quantization -------------------------------------------------------------------------
 
 
+class QuantizationDecision(msgspec.Struct, frozen=True, kw_only=True):
+    """How to hold the weights and the KV cache of one model."""
+
+    weights: WeightDType = "auto"
+    kv_cache: KVCacheDType = "auto"
+
+
 class QuantizationContext(msgspec.Struct, frozen=True, kw_only=True):
     """What the engine knows about a model it is about to load."""
 
@@ -78,13 +85,9 @@ class QuantizationContext(msgspec.Struct, frozen=True, kw_only=True):
     #: Memory the device has free for weights and KV (bytes) when known.
     device_memory_bytes: int | None = None
     max_model_len: int | None = None
-
-
-class QuantizationDecision(msgspec.Struct, frozen=True, kw_only=True):
-    """How to hold the weights and the KV cache of one model."""
-
-    weights: WeightDType = "auto"
-    kv_cache: KVCacheDType = "auto"
+    #: What the engine's configuration asks for (backend options ``weight_format`` and
+    #: ``kv_cache_dtype``); the default policy answers it unchanged.
+    requested: QuantizationDecision = QuantizationDecision()
 
 
 @runtime_checkable
@@ -97,20 +100,25 @@ class QuantizationPolicy(Protocol):
 
 
 class DefaultQuantizationPolicy:
-    """Every dtype "auto", unless the model's name has an explicit override."""
+    """What the engine's configuration asks for (``context.requested``: "auto" unless the
+    backend options name dtypes), unless the model's name has an explicit override."""
 
     def __init__(self, overrides: Mapping[str, QuantizationDecision] | None = None) -> None:
         self.overrides = dict(overrides or {})
 
     def choose_quantization(self, context: QuantizationContext) -> QuantizationDecision:
-        return self.overrides.get(context.model_name, QuantizationDecision())
+        return self.overrides.get(context.model_name, context.requested)
 
 
 # -- KV offload ---------------------------------------------------------------------------
 
 
 class KVResidency(msgspec.Struct, frozen=True, kw_only=True):
-    """Where one request's KV blocks are and how the scheduler sees the request."""
+    """Where one request's KV blocks are and how the scheduler sees the request.
+
+    A waiting request's blocks are its prompt's cached prefix; when they are spread over
+    several tiers the request appears once per tier.
+    """
 
     req_id: str
     status: Literal["running", "waiting", "preempted"]
@@ -126,6 +134,8 @@ class KVOffloadContext(msgspec.Struct, frozen=True, kw_only=True):
     """The KV memory picture at the start of one scheduler step."""
 
     num_device_blocks: int
+    #: Device blocks that hold nothing (neither referenced nor a cached prefix): handing
+    #: one out evicts nothing.
     num_free_device_blocks: int
     #: Free blocks in the host tier (pinned CPU memory); 0 when there is none.
     num_free_host_blocks: int = 0
@@ -156,11 +166,12 @@ class KVOffloadPolicy(Protocol):
 class WatermarkOffloadPolicy:
     """Keep device memory between two watermarks.
 
-    Below ``low_watermark`` (a fraction of device blocks free), offload idle non-running
-    requests, longest idle first, until ``high_watermark`` would be free again or the host
-    tier is full. With room above ``high_watermark``, prefetch up to ``prefetch_depth``
-    offloaded waiting requests, next in the queue first, so that they find their KV on the
-    device when scheduled.
+    Below ``low_watermark`` (a fraction of device blocks blank), offload the cached device
+    blocks of idle non-running requests (preempted ones, and waiting ones past the first
+    ``prefetch_depth`` in the queue), longest idle first, until ``high_watermark`` would be
+    blank again or the host tier is full. With room above ``high_watermark``, prefetch up to
+    ``prefetch_depth`` waiting requests whose prefix is in a lower tier, next in the queue
+    first, so that they find their KV on the device when scheduled.
     """
 
     def __init__(
@@ -185,8 +196,15 @@ class WatermarkOffloadPolicy:
         offload: list[str] = []
         if free < low:
             host_room = context.num_free_host_blocks
+            # Not the requests about to run: they would only pay the way back up.
             idle = sorted(
-                (r for r in context.requests if r.tier == "device" and r.status != "running"),
+                (
+                    r
+                    for r in context.requests
+                    if r.tier == "device"
+                    and r.status != "running"
+                    and (r.queue_position is None or r.queue_position >= self.prefetch_depth)
+                ),
                 key=lambda r: -r.num_idle_steps,
             )
             for residency in idle:

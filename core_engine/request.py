@@ -85,11 +85,17 @@ class Request:
         self.generator: Any = None
         #: Chained hashes of the full blocks of ``all_token_ids`` (the prefix cache's keys).
         self.block_hashes: list[bytes] = []
+        #: KV tiers: cached prompt tokens by the tier they came from ("device", "host",
+        #: "disk"; set at first admission), and whether the disk blocks of its prefix were
+        #: read already (a request waits for one disk read at most).
+        self.cached_tokens_by_tier: dict[str, int] | None = None
+        self.kv_disk_read = False
         #: Logprob records waiting to be emitted (filled by the scheduler, drained by the engine).
         self.pending_logprobs: list[Any] = []
         self.prompt_logprobs: list[Any] = []
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        #: What the speculation policy sees of the request's origin (labels, tenant).
+        #: What the policies see of the request's origin (labels; the tenant also keys the
+        #: KV cache quota).
         self.labels: dict[str, str] = dict(labels or {})
         self.tenant = tenant
         self.first_scheduled_time: float | None = None

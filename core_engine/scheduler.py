@@ -107,6 +107,9 @@ class Scheduler:
         #: Called with each request whose KV blocks were freed (finish, abort, preemption):
         #: the draft model frees its own blocks for it.
         self.release_listeners: list[Callable[[Request], None]] = []
+        #: The KV tiers below the device pool (:class:`~core_engine.kv_offload.tiers.KVTiers`),
+        #: consulted for prefix hits the device pool lacks; None: device only.
+        self.tiers: Any = None
         #: Speculative decoding totals (vLLM's spec_decode counters), and accepted tokens by
         #: position in the proposal (index 0: the first proposed token).
         self.num_spec_drafts = 0
@@ -203,25 +206,35 @@ class Scheduler:
                 continue
             break  # the current request was itself preempted: nothing behind it remains
 
-        # 2. Waiting requests in order, unless this step already had to preempt.
+        # 2. Waiting requests in order, unless this step already had to preempt. A request
+        #    whose cached prefix is being read from disk stays in its place; those behind it go.
+        index = 0
         while (
-            self.waiting
+            index < len(self.waiting)
             and budget > 0
             and not out.preempted_req_ids
             and len(self.running) < self.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[index]
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if self.tiers is not None:
+                found = self.tiers.extend_hits(request, computed_blocks)
+                if found is None:
+                    index += 1
+                    continue
+                computed_blocks, num_hit_tokens = found
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break  # wait for blocks to be freed
-            self.waiting.popleft()
+            del self.waiting[index]
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens_admitted += request.num_prompt_tokens
                 self.num_prompt_tokens_cached += num_hit_tokens
+                if self.tiers is not None:
+                    self.tiers.note_admitted(request, computed_blocks)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._append(request, num_new, decodes, prefills)

@@ -143,6 +143,7 @@ def _total_usage(choices: Sequence[ChoiceSummary], n: int) -> Usage:
     # position p * n + k), every output summed.
     prompt_tokens = completion_tokens = 0
     cached: int | None = None
+    by_tier: dict[str, int] | None = None
     for position, choice in enumerate(choices):
         usage = choice.usage
         if usage is None:
@@ -152,8 +153,15 @@ def _total_usage(choices: Sequence[ChoiceSummary], n: int) -> Usage:
             prompt_tokens += usage.prompt_tokens
             if usage.cached_tokens is not None:
                 cached = (cached or 0) + usage.cached_tokens
+            if usage.cached_tokens_by_tier:
+                by_tier = by_tier or {}
+                for tier, count in usage.cached_tokens_by_tier.items():
+                    by_tier[tier] = by_tier.get(tier, 0) + count
     return Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached,
+        cached_tokens_by_tier=by_tier,
     )
 
 

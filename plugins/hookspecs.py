@@ -287,9 +287,10 @@ def infermux_choose_quantization(context: QuantizationContext) -> QuantizationDe
     :class:`~core_engine.policy.QuantizationContext` (model name and path, device, file
     type, free device memory). Return a :class:`~core_engine.policy.QuantizationDecision`
     or ``None`` to let the next plugin decide; the built-in policy answers last
-    (``trylast``): "auto", or the per-model override from its settings. The engine raises
-    at load time if it cannot honour the answer. An exception is logged and the built-in
-    default is used.
+    (``trylast``): ``context.requested`` (the backend's options ``weight_format`` and
+    ``kv_cache_dtype``), or the per-model override from its settings. The engine fails the
+    load with a message if it cannot honour the answer. An exception is logged and the
+    built-in default is used.
     """
 
 

@@ -8,7 +8,9 @@ members call the hooks ``infermux_choose_quantization``, ``infermux_plan_kv_offl
 is logged and the engine's own default decides, so a broken policy cannot stop the engine
 loop. ``create_app`` hands the bundle to every backend that has a
 ``use_policies(policies)`` method, before it starts: the core engine backend (its engine
-consults the speculation policy per request and step), the llama.cpp backend (its
+asks the quantization policy once per load, the KV offload policy once per step while it
+has a host or disk tier, and the speculation policy per request and step), the llama.cpp
+backend (its
 prompt-lookup draft), and a worker-process backend wrapping one of those (the gateway side
 asks once per request and relays the answer, see :mod:`backends.worker.supervisor`).
 """

@@ -25,6 +25,15 @@ backend_spec_decode_num_drafts_total,      counter    backend (speculative decod
 _num_draft_tokens_total,                              proposals, proposed and accepted
 _num_accepted_tokens_total,                           tokens, n-gram lookup time)
 _ngram_seconds_total
+backend_kv_tier_blocks, _kv_tier_hit_rate  gauge      backend, tier (KV tiers: device,
+backend_kv_tier_hit_tokens_total,          counter    host, disk); bytes_moved by
+_bytes_moved_total, _restore_seconds_total,           direction (device_to_host,
+_restored_blocks_total                                host_to_device, device_to_disk,
+                                                      host_to_disk, disk_to_device)
+backend_kv_cache_capacity_tokens,          gauge      backend (KV capacity; the disk tier
+backend_kv_disk_enabled / _pending_writes             on/off, its write queue)
+backend_kv_disk_invalid_blocks_total,      counter    backend (files that failed their
+_write_errors_total, _load_seconds_total              checks; failed writes; read time)
 cost_total                                 counter    model, api_key, tenant (builtin.cost)
 =========================================  =========  =====================================
 
@@ -91,6 +100,18 @@ _STATS = {
         "infermux_backend_worker_up",
         "1 while the backend's worker process is up, 0 while it is down or restarting",
     ),
+    "kv_cache_capacity_tokens": (
+        "infermux_backend_kv_cache_capacity_tokens",
+        "Tokens the engine's device KV pool holds (blocks x block size; int8 KV doubles it)",
+    ),
+    "kv_disk_enabled": (
+        "infermux_backend_kv_disk_enabled",
+        "1 while the KV disk tier is in use, 0 after it turned itself off (full, read-only)",
+    ),
+    "kv_disk_pending_writes": (
+        "infermux_backend_kv_disk_pending_writes",
+        "KV blocks queued for the disk writer",
+    ),
 }
 #: backend.stats() key -> (counter name without _total, help).
 _COUNTER_STATS = {
@@ -115,6 +136,57 @@ _COUNTER_STATS = {
         "infermux_backend_spec_decode_ngram_seconds",
         "Time spent in n-gram lookup (seconds)",
     ),
+    "kv_disk_invalid_blocks": (
+        "infermux_backend_kv_disk_invalid_blocks",
+        "KV block files that failed their checks (torn, truncated, foreign) and were recomputed",
+    ),
+    "kv_disk_write_errors": (
+        "infermux_backend_kv_disk_write_errors",
+        "KV block writes that failed (the disk tier turns itself off)",
+    ),
+    "kv_disk_load_seconds": (
+        "infermux_backend_kv_disk_load_seconds",
+        "Time from asking for KV blocks on disk to having them in memory, summed over blocks",
+    ),
+}
+#: backend.stats() key "<name>:<label value>" -> (name, help, label, kind): KV tier series.
+_LABELED_STATS = {
+    "kv_tier_blocks": (
+        "infermux_backend_kv_tier_blocks",
+        "KV blocks held per tier (device: in use or cached; host and disk: cached prefix blocks)",
+        "tier",
+        "gauge",
+    ),
+    "kv_hit_rate": (
+        "infermux_backend_kv_tier_hit_rate",
+        "Fraction of admitted prompt tokens served from each KV tier (0..1)",
+        "tier",
+        "gauge",
+    ),
+    "kv_hit_tokens": (
+        "infermux_backend_kv_tier_hit_tokens",
+        "Prompt tokens served from cached KV blocks, by the tier they came from",
+        "tier",
+        "counter",
+    ),
+    "kv_bytes_moved": (
+        "infermux_backend_kv_tier_bytes_moved",
+        "KV bytes copied between tiers, by direction",
+        "direction",
+        "counter",
+    ),
+    "kv_restore_seconds": (
+        "infermux_backend_kv_tier_restore_seconds",
+        "Time copying KV blocks up into the device pool, by the tier they came from",
+        "tier",
+        "counter",
+    ),
+    "kv_restored_blocks": (
+        "infermux_backend_kv_tier_restored_blocks",
+        "KV blocks copied up into the device pool, by the tier they came from",
+        "tier",
+        "counter",
+    ),
 }
 
 
@@ -136,6 +208,12 @@ class BackendStatsCollector(Collector):
             key: CounterMetricFamily(name, doc, labels=["backend"])
             for key, (name, doc) in _COUNTER_STATS.items()
         }
+        labeled: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            key: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, doc, labels=["backend", label]
+            )
+            for key, (name, doc, label, kind) in _LABELED_STATS.items()
+        }
         for name, backend in list(self._backends.items()):
             stats_of = getattr(backend, "stats", None)
             if not callable(stats_of):
@@ -151,7 +229,13 @@ class BackendStatsCollector(Collector):
                 value = stats.get(key)
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     family.add_metric([name], float(value))
+            for key, value in stats.items():
+                base, sep, label_value = str(key).partition(":")
+                series = labeled.get(base) if sep else None
+                if series is not None and isinstance(value, int | float) and not isinstance(value, bool):
+                    series.add_metric([name, label_value], float(value))
         yield from families.values()
+        yield from labeled.values()
 
 
 class _Prometheus:

@@ -15,7 +15,10 @@ Speculative decoding (backends that report it on their last chunk) is known only
 choice ends, after its attempt span closed at the first chunk: its figures go on the
 ``decode`` span of the choice and, summed over choices, on the request span, as
 ``infermux.speculation.method``, ``.num_drafts``, ``.proposed_tokens``,
-``.accepted_tokens``, ``.acceptance_rate`` and ``.mean_accepted_length``.
+``.accepted_tokens``, ``.acceptance_rate`` and ``.mean_accepted_length``. Engines with KV
+tiers (core engine) say where the cached prompt tokens came from: the request span has
+``infermux.kv_cache.cached_tokens.device``, ``.host`` and ``.disk`` (tiers with none left
+out) beside ``gen_ai.usage.cache_read.input_tokens``.
 
 With ``n`` > 1 each choice has its own route (``infermux.choice_index``). A client's W3C
 ``traceparent`` becomes the parent of the request span, and each attempt's context is what
@@ -304,6 +307,8 @@ class TracingPlugin:
             attributes["gen_ai.response.finish_reasons"] = finish_reasons
         if summary.usage.cached_tokens is not None:
             attributes["gen_ai.usage.cache_read.input_tokens"] = summary.usage.cached_tokens
+        for tier, count in (summary.usage.cached_tokens_by_tier or {}).items():
+            attributes[f"infermux.kv_cache.cached_tokens.{tier}"] = count
         if served:
             attributes["infermux.backend.name"] = ",".join(served)
             info = self._backends.get(served[0])

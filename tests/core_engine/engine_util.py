@@ -62,4 +62,4 @@ def collect(result: dict[str, object], out: RequestOutput) -> None:
 def engine_like(engine: LLMEngine, **overrides: object) -> LLMEngine:
     """A second engine over the same loaded weights with a different configuration."""
     config = msgspec.structs.replace(engine.config, **overrides)
-    return LLMEngine(config, engine.model_runner.model, engine.tokenizer, dtype=engine.model_runner.kv_cache.storage.dtype)
+    return LLMEngine(config, engine.model_runner.model, engine.tokenizer, dtype=engine.model_runner.kv_cache.dtype)

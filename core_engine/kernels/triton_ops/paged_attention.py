@@ -5,6 +5,10 @@ group: q is a ``(GROUP_PAD, head_dim)`` tile (padded to 16 rows for ``tl.dot``),
 tiles of ``BLOCK_N`` tokens gathered through the block table, and softmax is computed online
 (running max and sum) across tiles. Long contexts with few sequences are split across
 programs (flash-decoding); a second kernel merges the per-split partial results.
+
+Quantized caches (int8 or float8 codes, one float32 scale per block and kv head) are
+dequantized in the tile loop: each tile's codes are multiplied by their blocks' scales, in
+fp32, before the dots; a cache of codes costs the kernel half (or a quarter) of the bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,  # (num_blocks, n_kv_heads) fp32, read when QUANTIZED
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
@@ -48,6 +54,7 @@ def _paged_decode_kernel(
     stride_v_block,
     stride_v_slot,
     stride_v_head,
+    stride_scale_block,  # of k_scale and v_scale (both contiguous (num_blocks, n_kv_heads))
     stride_table_seq,
     stride_out_seq,
     stride_out_head,
@@ -60,6 +67,7 @@ def _paged_decode_kernel(
     # Split count is a runtime value (it follows the batch): constexpr would compile per value.
     IS_SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -115,7 +123,16 @@ def _paged_decode_kernel(
             mask=kv_mask,
             other=0.0,
         )  # (BLOCK_N, HEAD_DIM_PAD)
-        if DOT_FP32:
+        if QUANTIZED:
+            scale_offs = block_ids * stride_scale_block + kv_head
+            k_scale = tl.load(k_scale_ptr + scale_offs, mask=token_mask, other=0.0)  # (BLOCK_N,)
+            v_scale = tl.load(v_scale_ptr + scale_offs, mask=token_mask, other=0.0)
+            k = k.to(tl.float32) * k_scale[:, None]
+            v = v.to(tl.float32) * v_scale[:, None]
+            if not DOT_FP32:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+        elif DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # (GROUP_PAD, BLOCK_N)
@@ -203,6 +220,8 @@ def paged_attention_decode_triton(
     context_lens: Tensor,
     scale: float,
     *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> Tensor:
@@ -211,6 +230,7 @@ def paged_attention_decode_triton(
     ``num_splits`` (context partitions per sequence) and ``block_n`` (tokens per tile, a power
     of two >= 16) default to a choice by device; tests set them to reach every path. The
     context split bound comes from ``block_tables``' width, so no device sync is needed.
+    ``k_scale``/``v_scale``: (num_blocks, n_kv_heads) float32 for caches of int8/float8 codes.
     """
     num_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
@@ -219,6 +239,12 @@ def paged_attention_decode_triton(
         raise ValueError("k_cache and v_cache must be contiguous in head_dim")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    quantized = k_scale is not None and v_scale is not None
+    if quantized:
+        assert k_scale is not None and v_scale is not None
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    else:
+        k_scale = v_scale = k_cache  # unused by the unquantized path
     block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()
     out = torch.empty((num_seqs, n_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -245,8 +271,13 @@ def paged_attention_decode_triton(
     else:
         part_acc = part_max = part_sum = out  # unused by the single-split path
 
-    # bf16 tl.dot is wrong in the interpreter, and mixed dtypes cannot feed tensor cores.
-    dot_fp32 = interpreter_enabled() or q.dtype != k_cache.dtype or q.dtype == torch.float32
+    # bf16 tl.dot is wrong in the interpreter, and mixed dtypes cannot feed tensor cores
+    # (dequantized codes are cast to q's dtype, so quantized caches keep them).
+    dot_fp32 = (
+        interpreter_enabled()
+        or q.dtype == torch.float32
+        or (q.dtype != k_cache.dtype and not quantized)
+    )
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     _paged_decode_kernel[(num_seqs, n_kv_heads, num_splits)](
         out,
@@ -256,6 +287,8 @@ def paged_attention_decode_triton(
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         block_tables,
         context_lens,
         scale * _LOG2E,
@@ -270,6 +303,7 @@ def paged_attention_decode_triton(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        k_scale.stride(0) if quantized else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -281,6 +315,7 @@ def paged_attention_decode_triton(
         BLOCK_N=block_n,
         IS_SPLIT=num_splits > 1,
         DOT_FP32=dot_fp32,
+        QUANTIZED=quantized,
     )
     if num_splits > 1:
         _paged_decode_merge_kernel[(num_seqs, n_heads)](

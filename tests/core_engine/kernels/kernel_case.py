@@ -94,3 +94,57 @@ def dense_decode_attention(
         scores = torch.einsum("hd,lhd->hl", q[s].double(), k_full) * scale  # (n_heads, L)
         outs.append(torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v_full))
     return torch.stack(outs)  # (num_seqs, n_heads, D)
+
+
+@dataclass
+class QuantizedPagedKV:
+    """A :class:`PagedKV` as codes with one float32 scale per (block, kv head)."""
+
+    k_codes: Tensor  # (num_blocks, block_size, n_kv_heads, head_dim) int8 / float8
+    v_codes: Tensor
+    k_scale: Tensor  # (num_blocks, n_kv_heads) float32; NaN for blocks nobody owns
+    v_scale: Tensor
+    keys: list[Tensor]  # per sequence, the dequantized values (what attention should see)
+    values: list[Tensor]
+
+
+def quantize_paged_kv(paged: PagedKV, code_dtype: torch.dtype) -> QuantizedPagedKV:
+    """Quantize ``paged`` per (block, kv head) with scale ``amax / qmax``.
+
+    Unused slots get the largest code and unowned blocks a NaN scale, so a kernel that reads
+    past a sequence's end, or a scale it should not, still turns its output into NaN or junk.
+    """
+    qmax = 127.0 if code_dtype == torch.int8 else torch.finfo(code_dtype).max
+
+    def one(cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x = cache.float().cpu()
+        unused = x.isnan()
+        amax = x.nan_to_num(0.0).abs().amax(dim=(1, 3))  # (num_blocks, n_kv)
+        scale = torch.where(amax > 0, amax / qmax, float("nan"))
+        codes = (x / scale[:, None, :, None]).nan_to_num(0.0).clamp(-qmax, qmax)
+        codes = codes.masked_fill(unused, qmax)
+        if code_dtype == torch.int8:
+            codes = codes.round()
+        codes = codes.to(code_dtype)
+        dense = codes.float() * scale[:, None, :, None]  # (num_blocks, block_size, n_kv, D)
+        return codes, scale, dense
+
+    k_codes, k_scale, k_dense = one(paged.k_cache)
+    v_codes, v_scale, v_dense = one(paged.v_cache)
+    block_size = paged.k_cache.shape[1]
+    keys, values = [], []
+    tables = paged.block_tables.cpu()
+    for s, n in enumerate(paged.context_lens.tolist()):
+        pos = torch.arange(n)
+        blocks = tables[s, pos // block_size].long()
+        keys.append(k_dense[blocks, pos % block_size])
+        values.append(v_dense[blocks, pos % block_size])
+    device = paged.k_cache.device
+    return QuantizedPagedKV(
+        k_codes=k_codes.to(device),
+        v_codes=v_codes.to(device),
+        k_scale=k_scale.to(device),
+        v_scale=v_scale.to(device),
+        keys=[k.to(device) for k in keys],
+        values=[v.to(device) for v in values],
+    )

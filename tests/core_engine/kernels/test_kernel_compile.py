@@ -45,6 +45,15 @@ PAGED_CASES = {
     "smollm2-bf16": dict(
         dtype="*bf16", GROUP=3, HEAD_DIM=64, BLOCK_SIZE=16, IS_SPLIT=False, DOT_FP32=False
     ),
+    # The same over an int8 KV cache (scales per block and kv head), and fp8 e4m3 with splits.
+    "smollm2-bf16-int8-kv": dict(
+        dtype="*bf16", cache="*i8", GROUP=3, HEAD_DIM=64, BLOCK_SIZE=16, IS_SPLIT=False,
+        DOT_FP32=False, QUANTIZED=True,
+    ),
+    "llama8b-fp16-fp8-kv-split": dict(
+        dtype="*fp16", cache="*fp8e4nv", GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, IS_SPLIT=True,
+        DOT_FP32=False, QUANTIZED=True,
+    ),
     # Llama-8B-like fp16, flash-decoding splits.
     "llama8b-fp16-split": dict(
         dtype="*fp16", GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, IS_SPLIT=True, DOT_FP32=False
@@ -59,7 +68,8 @@ PAGED_CASES = {
 @pytest.mark.parametrize("case", sorted(PAGED_CASES))
 def test_paged_decode_kernel_compiles(case: str) -> None:
     c = PAGED_CASES[case]
-    io = {name: c["dtype"] for name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+    io = {name: c["dtype"] for name in ("out_ptr", "q_ptr")}
+    io.update({name: c.get("cache", c["dtype"]) for name in ("k_cache_ptr", "v_cache_ptr")})
     kernel = _compile(
         paged_attention._paged_decode_kernel,
         **io,
@@ -74,6 +84,7 @@ def test_paged_decode_kernel_compiles(case: str) -> None:
         BLOCK_N=64,
         IS_SPLIT=c["IS_SPLIT"],
         DOT_FP32=c["DOT_FP32"],
+        QUANTIZED=c.get("QUANTIZED", False),
     )
     assert ".entry _paged_decode_kernel" in kernel.asm["ptx"]
     if c["IS_SPLIT"]:
@@ -105,6 +116,7 @@ def test_paged_decode_kernel_compiles_for_ampere() -> None:
         BLOCK_N=64,
         IS_SPLIT=False,
         DOT_FP32=False,
+        QUANTIZED=False,
     )
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from kernel_case import dense_decode_attention, make_paged_kv
+from kernel_case import dense_decode_attention, make_paged_kv, quantize_paged_kv
 
 from core_engine.kernels import (
     apply_rotary_embedding,
@@ -79,6 +79,42 @@ def test_paged_attention_names_the_bad_argument(device: torch.device) -> None:
         paged_attention_decode(
             q[:, :2], paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens[:0], 1.0
         )
+
+
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_paged_reference_dequantizes_codes_with_their_block_scales(
+    device: torch.device, code_dtype: torch.dtype
+) -> None:
+    lens = [2, 7, 13]
+    paged = make_paged_kv(
+        lens, block_size=4, n_kv_heads=2, head_dim=16, dtype=torch.float32, device=device
+    )
+    quant = quantize_paged_kv(paged, code_dtype)
+    q = torch.randn(len(lens), 4, 16, generator=torch.Generator().manual_seed(3)).to(device)
+    out = paged_attention_decode(
+        q, quant.k_codes, quant.v_codes, paged.block_tables, paged.context_lens, 0.25,
+        k_scale=quant.k_scale, v_scale=quant.v_scale,
+    )
+    assert not out.isnan().any(), "a NaN scale of an unowned block leaked into the output"
+    expected = dense_decode_attention(q, quant.keys, quant.values, 0.25)
+    torch.testing.assert_close(out.double().cpu(), expected.cpu(), atol=1e-5, rtol=1e-5)
+    # The codes are close to the exact cache (int8 ~1%, e4m3 ~6% of each block's range).
+    exact = dense_decode_attention(q, paged.keys, paged.values, 0.25)
+    tolerance = 0.03 if code_dtype == torch.int8 else 0.15
+    assert (out.double().cpu() - exact.cpu()).abs().max() < tolerance
+
+
+def test_paged_attention_asks_for_the_scales_of_a_code_cache(device: torch.device) -> None:
+    paged = make_paged_kv(
+        [3], block_size=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, device=device
+    )
+    quant = quantize_paged_kv(paged, torch.int8)
+    q = torch.zeros(1, 1, 8, device=device)
+    args = (q, quant.k_codes, quant.v_codes, paged.block_tables, paged.context_lens, 1.0)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        paged_attention_decode(*args)
+    with pytest.raises(ValueError, match="k_scale must be"):
+        paged_attention_decode(*args, k_scale=quant.k_scale[:1, :0], v_scale=quant.v_scale)
 
 
 def test_reshape_and_cache_reference_writes_only_the_given_slots(device: torch.device) -> None:

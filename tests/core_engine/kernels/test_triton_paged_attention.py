@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_case import assert_close, make_paged_kv
+from kernel_case import assert_close, make_paged_kv, quantize_paged_kv
 
 from core_engine.kernels import paged_attention_decode, paged_attention_decode_reference, use_triton
 from core_engine.kernels.triton_ops.paged_attention import paged_attention_decode_triton
@@ -94,3 +94,44 @@ def test_dispatcher_runs_triton_here_with_default_tuning(device: torch.device) -
             "the dispatcher did not run the kernel"
         )
         assert_close(out, paged_attention_decode_reference(*args), dtype)
+
+
+CODE_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("code_dtype", CODE_DTYPES)
+def test_quantized_cache_matches_the_reference(
+    device: torch.device, code_dtype: torch.dtype, num_splits: int
+) -> None:
+    # Ragged lengths with partial blocks; unused slots hold the largest code and unowned
+    # blocks a NaN scale, so reading either shows in the output.
+    lens = [1, 6, 19]
+    paged = make_paged_kv(
+        lens, block_size=4, n_kv_heads=2, head_dim=16, dtype=torch.float32, device=device
+    )
+    quant = quantize_paged_kv(paged, code_dtype)
+    q = _query(len(lens), 6, 16, torch.float32, device)
+    args = (q, quant.k_codes, quant.v_codes, paged.block_tables, paged.context_lens, 0.25)
+    scales = {"k_scale": quant.k_scale, "v_scale": quant.v_scale}
+    out = paged_attention_decode_triton(*args, **scales, num_splits=num_splits, block_n=16)
+    assert not out.isnan().any()
+    assert_close(out, paged_attention_decode_reference(*args, **scales), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantized_cache_with_half_precision_queries(device: torch.device, dtype: torch.dtype) -> None:
+    lens = [3, 17]
+    paged = make_paged_kv(
+        lens, block_size=16, n_kv_heads=1, head_dim=32, dtype=torch.float32, device=device
+    )
+    quant = quantize_paged_kv(paged, torch.int8)
+    q = _query(len(lens), 3, 32, dtype, device)
+    args = (q, quant.k_codes, quant.v_codes, paged.block_tables, paged.context_lens, 32**-0.5)
+    out = paged_attention_decode(*args, k_scale=quant.k_scale, v_scale=quant.v_scale)
+    assert out.dtype == dtype
+    assert torch.equal(
+        out, paged_attention_decode_triton(*args, k_scale=quant.k_scale, v_scale=quant.v_scale)
+    ), "the dispatcher did not run the kernel"
+    expected = paged_attention_decode_reference(*args, k_scale=quant.k_scale, v_scale=quant.v_scale)
+    assert_close(out, expected, dtype)
