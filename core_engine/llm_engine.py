@@ -19,7 +19,8 @@ import torch
 from core_engine.config import EngineConfig, resolve_dtype
 from core_engine.errors import InvalidParamError, RequestTooLongError
 from core_engine.kv_cache_manager import KVCacheManager
-from core_engine.kv_offload.tiers import KVTiers, tier_block_nbytes
+from core_engine.kv_offload.block_copy import tier_block_nbytes
+from core_engine.kv_offload.tiers import KVTiers
 from core_engine.model_runner import ModelRunner
 from core_engine.output import RequestMetrics, RequestOutput, SpeculationMetrics, TokenLogprobs
 from core_engine.paged_attention import KVCache

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from core_engine.block_pool import KVCacheBlock
 from core_engine.kv_cache_manager import KVCacheManager
+from core_engine.kv_offload.block_copy import BlockCopier
 from core_engine.kv_offload.host_pool import HostKVPool
 from core_engine.policy import (
     KVOffloadContext,
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     from core_engine.kv_offload.disk_store import DiskKVStore
     from core_engine.paged_attention import KVCache
 
-__all__ = ["TIERS", "KVTiers", "tier_block_nbytes"]
+__all__ = ["TIERS", "KVTiers"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,25 +76,6 @@ _MAX_STAGED_BYTES = 256 * 2**20
 #: A disk read not answered by then is given up (the request recomputes those blocks).
 _LOAD_TIMEOUT_S = 30.0
 
-
-def _raw(t: Tensor) -> Tensor:
-    """A view copy kernels take: float8 storage as uint8 (same bytes)."""
-    if t.element_size() == 1 and t.dtype not in (torch.int8, torch.uint8):
-        return t.view(torch.uint8)
-    return t
-
-
-def tier_block_nbytes(kv_cache: KVCache) -> int:
-    """Bytes one block takes in the host and disk tiers (K/V data of all layers + scales)."""
-    storage = kv_cache.storage
-    num_layers, _, _, block_size, num_kv_heads, head_dim = storage.shape
-    data = 2 * num_layers * block_size * num_kv_heads * head_dim * storage.element_size()
-    scales = 0 if getattr(kv_cache, "scales", None) is None else 2 * num_layers * num_kv_heads * 4
-    return data + scales
-
-
-def _as_bytes(t: Tensor) -> Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
 
 
 class KVTiers:
@@ -113,23 +95,17 @@ class KVTiers:
         self.kv_manager = kv_manager
         self.pool = kv_manager.block_pool
         self.block_size = kv_manager.block_size
-        storage = kv_cache.storage
-        self.device = storage.device
-        num_layers, _, _, block_size, num_kv_heads, head_dim = storage.shape
-        self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
-        self.dtype = storage.dtype
-        scales: Tensor | None = getattr(kv_cache, "scales", None)
-        self.scale_shape = None if scales is None else (num_layers, 2, num_kv_heads)
-        self.data_nbytes = int(torch.Size(self.block_shape).numel()) * storage.element_size()
-        self.scale_nbytes = 0 if self.scale_shape is None else int(torch.Size(self.scale_shape).numel()) * 4
+        self.blocks = BlockCopier(kv_cache)
+        self.device = self.blocks.device
+        self.scale_shape = self.blocks.scale_shape
         #: Bytes of one block in every tier (data + scales).
-        self.block_nbytes = self.data_nbytes + self.scale_nbytes
+        self.block_nbytes = self.blocks.block_nbytes
         self._max_staged = max(64, _MAX_STAGED_BYTES // self.block_nbytes)
         self.host: HostKVPool | None = None
         if host_blocks > 0:
             quota = None if tenant_quota_fraction is None else max(1, int(host_blocks * tenant_quota_fraction))
             self.host = HostKVPool(
-                host_blocks, block_shape=self.block_shape, dtype=self.dtype, scale_shape=self.scale_shape,
+                host_blocks, block_shape=self.blocks.block_shape, dtype=self.blocks.dtype, scale_shape=self.scale_shape,
                 pin_memory=self.device.type == "cuda", tenant_quota=quota,
             )
             self.host.on_evict = self._on_host_evict
@@ -164,43 +140,6 @@ class KVTiers:
     def _disk_on(self) -> bool:
         return self.disk is not None and self.disk.enabled
 
-    # -- block data ----------------------------------------------------------------------
-
-    def _device_blocks(self, block_ids: Sequence[int]) -> tuple[Tensor, Tensor | None]:
-        """Copies of device blocks as ``(N, *block_shape)`` (and ``(N, *scale_shape)``)."""
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        data = _raw(self.kv_cache.storage).index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
-        scales_all: Tensor | None = getattr(self.kv_cache, "scales", None)
-        scales = None if scales_all is None else scales_all.index_select(2, index).permute(2, 0, 1, 3).contiguous()
-        if data.dtype != self.dtype:
-            data = data.view(self.dtype)
-        return data, scales
-
-    def _write_device_blocks(self, block_ids: Sequence[int], data: Tensor, scales: Tensor | None) -> None:
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        source = _raw(data.to(self.device, non_blocking=True)).permute(1, 2, 0, 3, 4, 5)
-        _raw(self.kv_cache.storage).index_copy_(2, index, source)
-        scales_all: Tensor | None = getattr(self.kv_cache, "scales", None)
-        if scales_all is not None and scales is not None:
-            scales_all.index_copy_(2, index, scales.to(self.device, non_blocking=True).permute(1, 2, 0, 3))
-
-    def _payload(self, data: Tensor, scales: Tensor | None) -> bytes:
-        """One block's bytes on disk: data then scales."""
-        parts = [_as_bytes(data.cpu())]
-        if scales is not None:
-            parts.append(_as_bytes(scales.cpu()))
-        return b"".join(bytes(p.numpy().data) for p in parts)
-
-    def _from_payload(self, payload: bytes) -> tuple[Tensor, Tensor | None]:
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        data = raw[: self.data_nbytes].view(_raw(torch.empty(0, dtype=self.dtype)).dtype)
-        if data.dtype != self.dtype:
-            data = data.view(self.dtype)
-        data = data.view(self.block_shape)
-        scales = None
-        if self.scale_shape is not None:
-            scales = raw[self.data_nbytes :].view(torch.float32).view(self.scale_shape)
-        return data, scales
 
     # -- movement down ---------------------------------------------------------------------
 
@@ -211,19 +150,19 @@ class KVTiers:
             if block_hash in self.host:
                 self.host.touch(block_hash)
                 return
-            data, scales = self._device_blocks([block.block_id])
+            data, scales = self.blocks.read([block.block_id])
             self.host.put(block_hash, data[0], None if scales is None else scales[0], tenant=block.tenant)
             self.bytes_moved["device_to_host"] += self.block_nbytes
         elif self._disk_on and self.disk is not None and block_hash not in self.disk:
-            data, scales = self._device_blocks([block.block_id])
-            self.disk.put(block_hash, self._payload(data[0], None if scales is None else scales[0]))
+            data, scales = self.blocks.read([block.block_id])
+            self.disk.put(block_hash, self.blocks.to_bytes(data[0], None if scales is None else scales[0]))
             self.bytes_moved["device_to_disk"] += self.block_nbytes
 
     def _on_host_evict(self, block_hash: bytes, slot: int) -> None:
         if self._disk_on and self.disk is not None and block_hash not in self.disk:
             assert self.host is not None
             scales = None if self.host.scales is None else self.host.scales[slot]
-            self.disk.put(block_hash, self._payload(self.host.data[slot], scales))
+            self.disk.put(block_hash, self.blocks.to_bytes(self.host.data[slot], scales))
             self.bytes_moved["host_to_disk"] += self.block_nbytes
 
     def after_step(self) -> None:
@@ -234,11 +173,11 @@ class KVTiers:
         fresh = [(b, h) for b, h in pairs if b.block_hash == h and h not in self.disk]
         if not fresh:
             return
-        data, scales = self._device_blocks([b.block_id for b, _ in fresh])
+        data, scales = self.blocks.read([b.block_id for b, _ in fresh])
         data = data.cpu()
         scales = None if scales is None else scales.cpu()
         for i, (_, block_hash) in enumerate(fresh):
-            self.disk.put(block_hash, self._payload(data[i], None if scales is None else scales[i]))
+            self.disk.put(block_hash, self.blocks.to_bytes(data[i], None if scales is None else scales[i]))
         self.bytes_moved["device_to_disk"] += len(fresh) * self.block_nbytes
 
     # -- lookup and movement up --------------------------------------------------------
@@ -344,7 +283,7 @@ class KVTiers:
                 parts.append((staged_items, data, scales, "disk"))
             for items, data, scales, tier in parts:
                 blocks = pool.get_new_blocks(len(items), tenant=tenant)
-                self._write_device_blocks([b.block_id for b in blocks], data, scales)
+                self.blocks.write([b.block_id for b in blocks], data, scales)
                 for (i, h), block in zip(items, blocks, strict=True):
                     pool.cache_full_block(block, h, tenant=tenant)
                     new_blocks[i] = block
@@ -390,7 +329,7 @@ class KVTiers:
             if payload is None:
                 continue  # missing or invalid: recomputed
             try:
-                data, scales = self._from_payload(payload)
+                data, scales = self.blocks.from_bytes(payload)
             except (RuntimeError, ValueError):
                 logger.warning("KV disk tier: a block of unexpected size was read; it is recomputed")
                 continue
@@ -499,7 +438,7 @@ class KVTiers:
                 blocks.append(block)
         if not blocks:
             return
-        data, scales = self._device_blocks([b.block_id for b in blocks])
+        data, scales = self.blocks.read([b.block_id for b in blocks])
         for i, block in enumerate(blocks):
             assert block.block_hash is not None
             s = None if scales is None else scales[i]
@@ -510,7 +449,7 @@ class KVTiers:
             else:
                 assert self.disk is not None
                 if block.block_hash not in self.disk:
-                    self.disk.put(block.block_hash, self._payload(data[i], s))
+                    self.disk.put(block.block_hash, self.blocks.to_bytes(data[i], s))
                     self.bytes_moved["device_to_disk"] += self.block_nbytes
             self.pool.evict_cached_block(block)
         self.num_policy_offloads += 1

@@ -20,7 +20,7 @@ import pytest
 
 from backends.default_model import default_model_path
 from core_engine.kv_cache_manager import hash_block_tokens
-from core_engine.kv_offload.tiers import tier_block_nbytes
+from core_engine.kv_offload.block_copy import tier_block_nbytes
 from core_engine.llm_engine import LLMEngine
 from core_engine.output import RequestOutput
 from core_engine.policy import KVOffloadContext, KVOffloadDecision
