@@ -494,7 +494,6 @@ class KVTiers:
             out["kv_disk_enabled"] = 1.0 if disk["enabled"] else 0.0
         for direction, n in self.bytes_moved.items():
             out[f"kv_bytes_moved:{direction}"] = float(n)
-        queried = self.kv_manager.num_queried_tokens
         for tier, n in self.hit_tokens.items():
             out[f"kv_hit_tokens:{tier}"] = float(n)
         for tier in ("host", "disk"):
@@ -502,5 +501,4 @@ class KVTiers:
             out[f"kv_restored_blocks:{tier}"] = float(self.restored_blocks[tier])
         out["kv_disk_load_seconds"] = self.disk_load_seconds
         out["kv_offload_policy_moves"] = float(self.num_policy_offloads + self.num_policy_prefetches)
-        del queried
         return out
