@@ -69,9 +69,17 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     model_path: str | None = None
     #: "auto" (bf16 where the hardware has native bf16, else fp32), "bfloat16", "float32"...
     dtype: str = "auto"
-    #: "auto"/"dense" (weights in ``dtype``), "fp16" (fbgemm-packed, CPU) or "int8" (CPU fast
-    #: path: int8 GEMMs at ~llama.cpp's fidelity; see docs/benchmarks.md).
-    weight_format: Literal["auto", "dense", "fp16", "int8"] = "auto"
+    #: "auto" (the fastest format within the accuracy bound on this hardware: a 4-bit file
+    #: runs int4 with its 8-bit tensors at int8), "dense" (weights in ``dtype``), "fp16"
+    #: (fbgemm-packed, CPU, float32 compute), "int8" or "int4" (blocks of 32 as in Q8_0/Q4_1).
+    #: What the built-in quantization policy answers unless a plugin decides otherwise.
+    weight_format: Literal["auto", "dense", "fp16", "int8", "int4"] = "auto"
+    #: Per-product formats over ``weight_format`` (product name or glob -> format), e.g.
+    #: ``{"head" = "int8", "layers.0.*" = "dense"}``.
+    layer_weight_formats: dict[str, str] | None = None
+    #: A budget for the resident weights: the most sensitive layers (measured at load) stay
+    #: dense while it allows.
+    weight_memory_mb: int | None = None
     device: str = "cpu"
     kv_cache_memory_mb: int = 512
     block_size: int = 16
@@ -101,6 +109,14 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     kv_disk_bytes: int | None = None
     #: Most of each tier one tenant's cached prefixes may hold (0..1; absent: no quota).
     kv_tenant_quota: float | None = None
+
+    def __post_init__(self) -> None:
+        # A combination no CPU runs is refused when the config is read (torch is not needed).
+        from core_engine.config import check_weight_combination
+
+        check_weight_combination(self.weight_format, self.dtype, self.device)
+        for fmt in (self.layer_weight_formats or {}).values():
+            check_weight_combination(fmt, self.dtype, self.device, prefix="layer_weight_formats: ")
 
 
 class CoreEngineBackend:
@@ -221,6 +237,8 @@ class CoreEngineBackend:
                 model_path=str(path),
                 dtype=o.dtype,  # type: ignore[arg-type]
                 weight_format=o.weight_format,
+                layer_weight_formats=o.layer_weight_formats,
+                weight_memory_bytes=None if o.weight_memory_mb is None else o.weight_memory_mb * 2**20,
                 device=o.device,
                 kv_cache_memory_bytes=o.kv_cache_memory_mb * 2**20,
                 block_size=o.block_size,

@@ -8,10 +8,34 @@ import msgspec
 
 from core_engine.policy import KVCacheDType
 
-__all__ = ["EngineConfig", "SpeculationConfig", "resolve_dtype"]
+__all__ = ["EngineConfig", "SpeculationConfig", "check_weight_combination", "resolve_dtype"]
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
-WeightFormat = Literal["auto", "dense", "fp16", "int8"]
+WeightFormat = Literal["auto", "dense", "fp16", "int8", "int4"]
+
+
+def check_weight_combination(weight_format: str, dtype: str, device: str, *, prefix: str = "") -> None:
+    """Raise ValueError naming the combination when ``weight_format`` cannot run with ``dtype``
+    on ``device`` (checked when a config is read, before anything is loaded).
+
+    On CPU every format runs with ``dtype`` "auto", "float32" or "bfloat16" (the int8/int4
+    kernels take either activation dtype), except "fp16", fbgemm's fp32-only kernel; on CUDA
+    the formats are "auto", "dense" and "int4" (the Triton W4A16 kernel).
+    """
+    formats = get_args(WeightFormat)
+    if weight_format not in formats:
+        raise ValueError(f"{prefix}weight_format must be one of {', '.join(formats)}; got {weight_format!r}")
+    if dtype not in get_args(DType):
+        raise ValueError(f"{prefix}dtype must be one of {', '.join(get_args(DType))}; got {dtype!r}")
+    combo = f"{prefix}weight_format={weight_format!r} with {prefix}dtype={dtype!r} on {device!r}"
+    if device.startswith("cuda"):
+        if weight_format in ("fp16", "int8"):
+            raise ValueError(f"{combo}: on CUDA the weight formats are 'auto', 'dense' and 'int4'")
+        return
+    if weight_format == "fp16" and dtype not in ("auto", "float32"):
+        raise ValueError(f"{combo}: fbgemm's fp16-weight kernel computes in float32 (use dtype 'float32' or 'auto')")
+    if weight_format in ("int8", "int4") and dtype == "float16":
+        raise ValueError(f"{combo}: the CPU int8/int4 kernels take float32 or bfloat16 activations")
 
 
 class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -58,11 +82,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model_name: str | None = None
     #: "auto": bfloat16 where the CPU/GPU runs bf16 matmuls natively, else float32.
     dtype: DType = "auto"
-    #: How the matmul weights are stored (see :mod:`core_engine.model.linear`): "auto" and
-    #: "dense" keep them in ``dtype``; "fp16" (CPU) packs them as fp16 for fbgemm; "int8"
-    #: (CPU, the fast path) uses int8 weights and int8 GEMMs, lossy but as close to the exact
-    #: model as llama.cpp's own 8-bit arithmetic.
+    #: How the matmul weights are stored (see :mod:`core_engine.model.formats`): "auto" is
+    #: the fastest format within the accuracy bound on this hardware (a 4-bit file: int4 with
+    #: its 8-bit tensors at int8); "dense" keeps them in ``dtype``; "fp16" (CPU) packs them
+    #: as fp16 for fbgemm; "int8"/"int4" are blocks of 32 with fp16 scales (Q8_0/Q4_1), taken
+    #: from the file's own blocks where they match.
     weight_format: WeightFormat = "auto"
+    #: Per-product formats over ``weight_format``: product name or glob ("head",
+    #: "layers.0.*", "layers.*.down") -> format.
+    layer_weight_formats: dict[str, str] | None = None
+    #: A budget for the resident weights (bytes): the engine measures each layer's
+    #: sensitivity at load and keeps the most sensitive ones dense while the budget allows.
+    weight_memory_bytes: int | None = None
     device: str = "cpu"
     #: Memory for the KV-cache pool (all layers, K and V).
     kv_cache_memory_bytes: int = 512 * 2**20
@@ -99,6 +130,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_tenant_quota: float | None = None
 
     def __post_init__(self) -> None:
+        check_weight_combination(self.weight_format, self.dtype, self.device, prefix="EngineConfig.")
+        for fmt in (self.layer_weight_formats or {}).values():
+            check_weight_combination(fmt, self.dtype, self.device, prefix="EngineConfig.layer_weight_formats: ")
+        if self.weight_memory_bytes is not None and self.weight_memory_bytes < 1:
+            raise ValueError(f"EngineConfig.weight_memory_bytes must be >= 1, got {self.weight_memory_bytes}")
         for name in ("kv_cache_memory_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -117,12 +153,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
 
 
-def resolve_dtype(name: str, device: str):  # -> torch.dtype (torch imported lazily)
-    """The torch dtype for ``name`` on ``device``; "auto" picks bf16 where it is fast."""
+def resolve_dtype(name: str, device: str, weight_format: str = "auto"):  # -> torch.dtype (lazy torch)
+    """The torch dtype for ``name`` on ``device``; "auto" picks bf16 where it is fast (fp32 for
+    the fp32-only "fp16" weight format)."""
     import torch
 
     if name != "auto":
         return getattr(torch, name)
+    if weight_format == "fp16" and not device.startswith("cuda"):
+        return torch.float32
     from core_engine.gguf_loader import preferred_dtype
 
     return preferred_dtype(device)

@@ -26,13 +26,20 @@ from torch import Tensor
 from tqdm import tqdm
 
 from core_engine.cpu_features import cpu_flags
+from core_engine.model.block_weights import (
+    BlockWeight,
+    concat_rows,
+    from_gguf_blocks,
+    is_exact,
+    quantize_dense,
+)
 from core_engine.model.config import LlamaConfig, RopeScaling
 from core_engine.model.llama import LlamaModel
 from core_engine.model.llamacpp_numerics import NUMERICS, LlamaCppModel, attach_llamacpp_numerics
 from core_engine.model.quant import dequantize
 from core_engine.tokenizer import Tokenizer
 
-__all__ = ["GGUFFile", "GGUFLoadError", "load_model", "preferred_dtype"]
+__all__ = ["GGUFBlockSource", "GGUFFile", "GGUFLoadError", "load_model", "preferred_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +190,58 @@ def _unpermute_rope_rows(weight: Tensor, num_heads: int) -> Tensor:
     return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+class GGUFBlockSource:
+    """The products of a loaded GGUF in block form, for the int4/int8 weight formats.
+
+    Tensors whose block type matches the format are taken as stored (see
+    :mod:`core_engine.model.block_weights`); the others are quantised from their values, and
+    :attr:`requantized` names them.
+    """
+
+    def __init__(self, gguf_file: GGUFFile, config: LlamaConfig) -> None:
+        self.gguf_file = gguf_file
+        self.config = config
+        self.requantized: list[str] = []
+
+    def parts(self, name: str) -> list[tuple[str, int | None]]:
+        """GGUF tensors of product ``name``, in row order, with the head count of the q/k
+        rows whose RoPE permutation the loader undoes (None: rows as stored)."""
+        cfg = self.config
+        if name == "head":
+            return [("output.weight" if self.gguf_file.has_tensor("output.weight") else "token_embd.weight", None)]
+        _, idx, product = name.split(".")
+        prefix = f"blk.{idx}."
+        return {
+            "qkv": [(prefix + "attn_q.weight", cfg.num_heads), (prefix + "attn_k.weight", cfg.num_kv_heads),
+                    (prefix + "attn_v.weight", None)],
+            "o": [(prefix + "attn_output.weight", None)],
+            "gate_up": [(prefix + "ffn_gate.weight", None), (prefix + "ffn_up.weight", None)],
+            "down": [(prefix + "ffn_down.weight", None)],
+        }[product]
+
+    def natural_format(self, name: str) -> str:
+        """What ``weight_format = "auto"`` stores product ``name`` as: int4 when all its
+        tensors are 4-bit blocks, else int8 (8-bit blocks, or a requantised 16/32-bit tensor)."""
+        types = {GGMLQuantizationType(self.gguf_file.tensor(t).tensor_type) for t, _ in self.parts(name)}
+        return "int4" if all(is_exact("int4", t) for t in types) else "int8"
+
+    def block_weight(self, name: str, weight_format: str) -> BlockWeight:
+        parts = []
+        for tensor_name, heads in self.parts(name):
+            record = self.gguf_file.tensor(tensor_name)
+            qtype = GGMLQuantizationType(record.tensor_type)
+            cols, rows = (int(n) for n in record.shape.tolist()[:2])
+            if is_exact(weight_format, qtype):
+                blocks = from_gguf_blocks(record.data, qtype, rows, cols)
+            else:
+                self.requantized.append(f"{tensor_name} ({qtype.name} -> {weight_format})")
+                blocks = quantize_dense(self.gguf_file.dequantized(tensor_name), weight_format)
+            if heads is not None:
+                blocks = tuple(None if t is None else _unpermute_rope_rows(t, heads) for t in blocks)  # type: ignore[assignment]
+            parts.append(blocks)
+        return parts[0] if len(parts) == 1 else concat_rows(parts)
+
+
 def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
     cfg = model.config
     layer = model.layers[idx]
@@ -263,6 +322,7 @@ def load_model(
         if isinstance(model, LlamaCppModel):
             attach_llamacpp_numerics(model, gguf_file)
     model.eval()
+    model.block_source = GGUFBlockSource(gguf_file, config)
     logger.info("loaded %s in %.1f s", gguf_file.path.name, time.perf_counter() - started)
     return model, config, tokenizer
 

@@ -65,10 +65,21 @@ SpeculationMethod = Literal["ngram", "draft"]
 
 
 class QuantizationDecision(msgspec.Struct, frozen=True, kw_only=True):
-    """How to hold the weights and the KV cache of one model."""
+    """How to hold the weights and the KV cache of one model.
+
+    ``weights`` is the format of every product ("auto": the fastest within the accuracy
+    bound on this hardware; "bfloat16"/"float32": dense in that dtype; "float16": fp16
+    weights). ``layer_weights`` names other formats for some products (product name or glob
+    over ``layers.{i}.{qkv,o,gate_up,down}`` and ``head`` -> format), e.g. ``{"head": "int8",
+    "layers.0.*": "float32"}``. ``weight_memory_bytes`` asks the engine to meet a budget for
+    the resident weights with the least loss: it measures each layer's sensitivity at load
+    and keeps the most sensitive layers dense while they fit.
+    """
 
     weights: WeightDType = "auto"
     kv_cache: KVCacheDType = "auto"
+    layer_weights: dict[str, WeightDType] | None = None
+    weight_memory_bytes: int | None = None
 
 
 class QuantizationContext(msgspec.Struct, frozen=True, kw_only=True):

@@ -24,6 +24,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "gateway.commands.plugin_new",
     "gateway.commands.key",
     "gateway.commands.usage",
+    "gateway.commands.plan",
     "gateway.bench.cli",
 )
 

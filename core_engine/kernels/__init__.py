@@ -12,6 +12,8 @@ dispatches per call (see :mod:`core_engine.kernels.dispatch`).
 :func:`apply_rotary_embedding`    RoPE on q and k (NeoX or interleaved pairs)
 :func:`greedy_sample`             argmax token and its logprob in one pass
 :func:`filter_logits`             temperature, top-k, top-p and min-p masking, no sort
+:func:`w4a16_matmul`              ``x @ W^T`` for int4 (Q4_1-block) W, fp32 sums
+:func:`unpack_int4`               the fp32 matrix an int4 weight encodes
 ================================  =====================================================
 
 Importing this package never imports triton; the Triton modules load on first use.
@@ -42,10 +44,17 @@ from core_engine.kernels.sampling import (
     greedy_sample,
     greedy_sample_reference,
 )
+from core_engine.kernels.w4a16 import (
+    check_w4a16_args,
+    unpack_int4,
+    w4a16_matmul,
+    w4a16_matmul_reference,
+)
 
 __all__ = [
     "apply_rotary_embedding",
     "apply_rotary_embedding_reference",
+    "check_w4a16_args",
     "filter_logits",
     "filter_logits_reference",
     "fused_add_rms_norm",
@@ -61,5 +70,8 @@ __all__ = [
     "rms_norm_reference",
     "rotary_cos_sin",
     "triton_available",
+    "unpack_int4",
     "use_triton",
+    "w4a16_matmul",
+    "w4a16_matmul_reference",
 ]

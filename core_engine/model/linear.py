@@ -1,52 +1,76 @@
 """Matrix-product weights in the form the device multiplies fastest.
 
 The model's projections (fused QKV, output, fused gate/up, down, the LM head) call one of
-these instead of ``F.linear`` directly, so the storage format is chosen once, after loading:
+these instead of ``F.linear`` directly, so the storage format is chosen once, after loading
+(:mod:`core_engine.model.formats` lists the formats and what ``"auto"`` picks):
 
 * :class:`DenseLinear` - the torch weight as loaded (fp32 or bf16), ``F.linear``/``addmm``.
-* :class:`Fp16Linear` - fbgemm's fp16-weight GEMM: the weight is stored as fp16 in fbgemm's
-  packed layout and widened to fp32 inside the kernel, so activations and accumulation stay
-  fp32. On x86 CPUs without native bf16 (the dev machine: AVX512 but no AVX512-BF16) decode is
-  bound by the bytes of weight read per step; half the bytes made 1-thread decode ~1.4x faster,
-  but at 2 threads only 16-row batches gained (fbgemm's per-call dispatch is ~20 us). Every
-  weight of a Q4_0/Q4_1/Q8_0 GGUF is ``d * q (+ m)`` with fp16 ``d``/``m``, so fp16 storage
-  rounds each weight by at most 2^-11 relative - far below the file's own 4-bit step.
-* :class:`Int8Linear` - int8 weight rows (one fp32 scale each) times 16-bit fixed-point
-  activations (two int8 digit planes) in int8 GEMMs: a quarter of fp32's bytes and the CPU's
-  VNNI int8 throughput. Lossy: requantising the 4-bit blocks to int8 rows moves the logits
-  about as far from the exact model as llama.cpp's own 8-bit activations do (mean KL from the
-  exact next-token distribution 0.0032 vs llama.cpp's 0.0028 on SmolLM2). The LM head is
-  wrapped in :class:`TopKRefinedLinear` so the logits that decide sampling are exact.
+* :class:`Fp16Linear` - fbgemm's fp16-weight GEMM (CPU, fp32 compute): half of fp32's bytes,
+  exact to 2^-11 per weight for a 4-bit file.
+* :class:`BlockQuantLinear` - int4 or int8 weights in blocks of 32 (GGUF's Q4_1 / Q8_0
+  layouts, taken from the file's blocks without a second rounding where they match), times
+  activations quantised to int8 per block of 32, in the compiled ``quant_linear`` kernel
+  (AVX2 maddubs, AVX-512/AVX VNNI dpbusd); prefill-sized inputs multiply dequantised weight
+  tiles in the compute dtype instead. The arithmetic is llama.cpp's for these blocks.
+* :class:`TopKRefinedLinear` - an approximate LM head whose top logits are recomputed from the
+  exact (dense) rows.
 
-``weight_format`` values (``EngineConfig.weight_format``): ``"auto"`` keeps ``"dense"`` weights
-(at 2 threads on the dev CPU fp16 won only at 16 rows and lost at 1 and 512); ``"fp16"`` and
-``"int8"`` are opt-in, ``"int8"`` being the fast path (see docs/benchmarks.md).
+Every product offers the calls a decoder layer makes, so formats can fuse them: ``self(x)``,
+``add_to(residual, x)``, ``normed(x, norm_weight, eps)`` (RMSNorm of the input first) and
+``swiglu_add_to(residual, gate_up)`` (``residual + (silu(gate) * up) @ W.T``). The dense
+forms run the same ops one by one.
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from core_engine.model.formats import WEIGHT_FORMATS, auto_weight_format
+
 __all__ = [
     "WEIGHT_FORMATS",
+    "BlockQuantLinear",
     "DenseLinear",
     "Fp16Linear",
-    "Int8Linear",
     "Linear",
     "TopKRefinedLinear",
+    "W4A16Linear",
+    "block_linear",
     "make_linear",
     "resolve_weight_format",
 ]
 
-WeightFormat = Literal["auto", "dense", "fp16", "int8"]
-WEIGHT_FORMATS: tuple[str, ...] = ("auto", "dense", "fp16", "int8")
+#: Input rows from which the block formats multiply dequantised weight tiles with the dense
+#: GEMM instead of int8 dot products (measured crossover on AVX2 at 2 threads: between 16 and
+#: 64 rows; see docs/benchmarks.md "int4 kernel").
+DENSE_ROWS = 32
 
 
-class DenseLinear:
+class _Product:
+    """The fused calls of a decoder layer, as separate ops (formats override what they fuse)."""
+
+    __slots__ = ()
+
+    def __call__(self, x: Tensor) -> Tensor:  # pragma: no cover - every product defines it
+        raise NotImplementedError
+
+    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
+        """``residual + self(x)``."""
+        return torch.add(residual, self(x))
+
+    def normed(self, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+        """``self(rms_norm(x) * norm_weight)``."""
+        return self(F.rms_norm(x, (x.shape[-1],), norm_weight, eps))
+
+    def swiglu_add_to(self, residual: Tensor, gate_up: Tensor) -> Tensor:
+        """``residual + self(silu(gate) * up)`` for ``gate_up = gate | up`` (T, 2 * in)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.add_to(residual, F.silu(gate) * up)
+
+
+class DenseLinear(_Product):
     """``y = x @ weight.T (+ bias)`` with the weight as torch holds it: (out, in)."""
 
     __slots__ = ("bias", "weight")
@@ -69,7 +93,7 @@ class DenseLinear:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
 
 
-class Fp16Linear:
+class Fp16Linear(_Product):
     """fp16 weights packed for fbgemm; fp32 activations, fp32 accumulation (CPU only).
 
     Through ``quantized::linear_dynamic_fp16``, which splits the product over torch's threads
@@ -89,54 +113,88 @@ class Fp16Linear:
         """x: (T, in) fp32 -> (T, out) fp32."""
         return _linear_dynamic_fp16(x, self._packed)
 
-    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
-        """``residual + self(x)``."""
-        return torch.add(residual, self(x))
 
+class BlockQuantLinear(_Product):
+    """int4 or int8 weights in blocks of 32 (see :mod:`core_engine.model.block_weights` for
+    the arrays), multiplied by the compiled ``quant_linear`` CPU kernel, which also fuses the
+    input's RMSNorm or SwiGLU, the bias and the residual add.
 
-class Int8Linear:
-    """int8 weights (one fp32 scale per output row), 16-bit fixed-point activations, int8
-    GEMMs on the CPU (the compiled ``int8_linear`` of :mod:`core_engine.kernels.cpu`).
-
-    ``precise=True`` stores a second int8 digit of each weight (W ~= s (W1 + W2 / 254)): one
-    more GEMM for a product within ~1e-4 of fp32, used for the LM head, where one-digit
-    weights would move the logits of every token.
+    ``weight_format``: ``"int4"`` (``mins`` given) or ``"int8"``. Inputs of ``dense_rows``
+    rows or more (prefill chunks) multiply dequantised weight tiles in the input's dtype.
     """
 
-    __slots__ = ("_bias", "_kernel", "_scale", "_weight", "_weight_lo", "nbytes")
+    __slots__ = ("_bias", "_kernel", "_mins", "_qweight", "_scales", "dense_rows", "nbytes", "weight_format")
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, precise: bool = False) -> None:
-        from core_engine.kernels.cpu import int8_linear_module
+    def __init__(
+        self, qweight: Tensor, scales: Tensor, mins: Tensor | None, bias: Tensor | None = None,
+        *, dense_rows: int = DENSE_ROWS,
+    ) -> None:
+        from core_engine.kernels.cpu import cpu_extension
 
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
-        digits = w / scale[:, None]  # in [-127, 127]
-        high = torch.round(digits)
-        self._weight = high.to(torch.int8).contiguous()  # (out, in)
-        self._weight_lo = torch.round((digits - high) * 254.0).to(torch.int8).contiguous() if precise else None
-        self._scale = scale.contiguous()
+        self.weight_format = "int4" if mins is not None else "int8"
+        self._qweight = qweight.contiguous()
+        self._scales = scales.to(torch.float16).contiguous()
+        self._mins = None if mins is None else mins.to(torch.float16).contiguous()
         self._bias = None if bias is None else bias.detach().float().contiguous()
-        self._kernel = int8_linear_module().int8_linear
-        self.nbytes = w.numel() * (2 if precise else 1) + scale.numel() * 4
-        self.nbytes += 0 if bias is None else bias.numel() * 4
+        self._kernel = cpu_extension("quant_linear").quant_linear
+        self.dense_rows = dense_rows
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self._qweight, self._scales, self._mins, self._bias) if t is not None)
+
+    @property
+    def out_features(self) -> int:
+        return self._qweight.shape[0]
 
     def __call__(self, x: Tensor) -> Tensor:
-        """x: (T, in) fp32 -> (T, out) fp32."""
-        return self._kernel(x, self._weight, self._scale, self._bias, None, self._weight_lo)
+        """x: (T, in) fp32/bf16 -> (T, out) in x's dtype."""
+        return self._kernel(x, self._qweight, self._scales, self._mins, self._bias, None, None, 1e-6, False, self.dense_rows)
 
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
-        """``residual + self(x)``, the add fused into the kernel's output pass."""
-        return self._kernel(x, self._weight, self._scale, self._bias, residual, self._weight_lo)
+        return self._kernel(x, self._qweight, self._scales, self._mins, self._bias, residual, None, 1e-6, False, self.dense_rows)
+
+    def normed(self, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+        return self._kernel(x, self._qweight, self._scales, self._mins, self._bias, None, norm_weight, eps, False, self.dense_rows)
+
+    def swiglu_add_to(self, residual: Tensor, gate_up: Tensor) -> Tensor:
+        return self._kernel(gate_up, self._qweight, self._scales, self._mins, self._bias, residual, None, 1e-6, True, self.dense_rows)
+
+    def dequantized(self) -> Tensor:
+        """The weight as fp32 (out, in): what the kernel multiplies (tests, sensitivity)."""
+        from core_engine.kernels.cpu import cpu_extension
+
+        return cpu_extension("quant_linear").quant_dequantize(self._qweight, self._scales, self._mins)
 
 
-class TopKRefinedLinear:
+class W4A16Linear(_Product):
+    """int4 weights (the same arrays as :class:`BlockQuantLinear`) on a GPU: the Triton W4A16
+    kernel of :mod:`core_engine.kernels.w4a16` (activations stay 16-bit)."""
+
+    __slots__ = ("_bias", "_mins", "_qweight", "_scales", "nbytes", "weight_format")
+
+    def __init__(self, qweight: Tensor, scales: Tensor, mins: Tensor, bias: Tensor | None = None) -> None:
+        self.weight_format = "int4"
+        self._qweight, self._scales, self._mins = qweight.contiguous(), scales.half().contiguous(), mins.half().contiguous()
+        self._bias = bias
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self._qweight, self._scales, self._mins, bias) if t is not None)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        from core_engine.kernels.w4a16 import w4a16_matmul
+
+        return w4a16_matmul(x, self._qweight, self._scales, self._mins, self._bias)
+
+    def dequantized(self) -> Tensor:
+        from core_engine.kernels.w4a16 import unpack_int4
+
+        return unpack_int4(self._qweight, self._scales, self._mins)
+
+
+class TopKRefinedLinear(_Product):
     """An approximate product whose ``k`` largest outputs per row are recomputed exactly.
 
-    For the LM head of an int8 model: one-digit int8 weights move every logit by up to ~0.05,
-    enough to swap near-tied top tokens, but only the top of the distribution decides greedy,
-    top-k/top-p sampling and the reported logprobs. Recomputing the top ``k`` logits from the
-    exact weight rows (a gather and a (T, k, hidden) product) costs ~1/1000 of the head, where
-    fp16 or two-digit int8 weights would cost 1.5-2x the one-digit product.
+    For a quantised LM head: 8-bit activations move every logit a little, enough to swap
+    near-tied top tokens, but only the top of the distribution decides greedy, top-k/top-p
+    sampling and the reported logprobs. Recomputing the top ``k`` logits from the exact
+    weight rows (a gather and a (T, k, hidden) product; the rows are the embedding table a
+    tied model keeps anyway) costs ~1/1000 of the head.
     """
 
     __slots__ = ("_approx", "_exact", "_k", "nbytes")
@@ -156,7 +214,7 @@ class TopKRefinedLinear:
         return y
 
 
-Linear = DenseLinear | Fp16Linear | Int8Linear | TopKRefinedLinear
+Linear = DenseLinear | Fp16Linear | BlockQuantLinear | W4A16Linear | TopKRefinedLinear
 
 #: The overload itself: skips the packet's per-call overload resolution.
 _linear_dynamic_fp16 = torch.ops.quantized.linear_dynamic_fp16.default
@@ -167,36 +225,64 @@ def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def resolve_weight_format(name: str, *, dtype: torch.dtype, device: torch.device | str) -> str:
-    """``"auto"`` -> ``"dense"`` (measured best default on the dev CPU; see docs/benchmarks.md).
-
-    Raises ValueError for an unknown name, or ``"fp16"``/``"int8"`` where they cannot run.
-    """
+def check_weight_format(name: str, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Raise ValueError naming the combination when ``name`` cannot run with ``dtype`` on
+    ``device`` (the engine calls this at config load, before any weight is read)."""
     if name not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}; got {name!r}")
-    # fp16 runs fbgemm's kernels; int8 its own (compiled when first used).
-    on_cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    usable = on_cpu_fp32 and (name != "fp16" or fbgemm_available())
-    if name == "auto":
-        return "dense"
-    if name in ("fp16", "int8") and not usable:
+    device_type = torch.device(device).type
+    if device_type == "cpu":
+        if name == "fp16" and (dtype != torch.float32 or not fbgemm_available()):
+            raise ValueError(
+                f"weight_format='fp16' with dtype={str(dtype).removeprefix('torch.')!r} on cpu: fbgemm's fp16 "
+                "kernel computes in float32 (use dtype 'float32' or 'auto', or weight_format 'int8'/'int4')"
+                + ("" if fbgemm_available() else "; this torch has no fbgemm")
+            )
+        if dtype == torch.float16 and name not in ("auto", "dense"):
+            raise ValueError(
+                f"weight_format={name!r} with dtype='float16' on cpu: the CPU kernels take float32 or bfloat16 "
+                "activations (use dtype 'auto')"
+            )
+    elif name in ("fp16", "int8"):
         raise ValueError(
-            f"weight_format={name!r} needs fp32 compute on a CPU"
-            + (" whose torch has fbgemm" if name == "fp16" else "")
-            + f" (got dtype {dtype} on {device})"
+            f"weight_format={name!r} on {device_type}: only 'auto', 'dense' and 'int4' (Triton W4A16) run there"
         )
+
+
+def resolve_weight_format(
+    name: str, *, dtype: torch.dtype, device: torch.device | str, file_type: str | None = None
+) -> str:
+    """The concrete format for ``name`` (``"auto"``: see :func:`core_engine.model.formats.auto_weight_format`).
+
+    Raises ValueError for an unknown name or a combination that cannot run.
+    """
+    check_weight_format(name, dtype=dtype, device=device)
+    if name == "auto":
+        return auto_weight_format(device, dtype, file_type).weight_format
     return name
 
 
-def make_linear(
-    weight_format: str, weight: Tensor, bias: Tensor | None = None, *, precise: bool = False
-) -> Linear:
-    """A product over ``weight`` in ``weight_format`` (resolve "auto" first); ``precise``
-    asks int8 for two-digit weights (the LM head)."""
+def block_linear(blocks: tuple[Tensor, Tensor, Tensor | None], bias: Tensor | None, *, device: torch.device) -> Linear:
+    """The product over block-format arrays on ``device``: the CPU kernel, or Triton W4A16
+    for int4 on a GPU."""
+    qweight, scales, mins = blocks
+    if device.type == "cpu":
+        return BlockQuantLinear(qweight, scales, mins, bias)
+    if mins is None:
+        raise ValueError(f"weight_format='int8' does not run on {device.type} (only 'auto', 'dense', 'int4')")
+    return W4A16Linear(qweight.to(device), scales.to(device), mins.to(device), bias)
+
+
+def make_linear(weight_format: str, weight: Tensor, bias: Tensor | None = None) -> Linear:
+    """A product over the dense ``weight`` in ``weight_format`` (resolve "auto" first); the
+    block formats quantise it (use :class:`BlockQuantLinear` with the file's blocks to avoid
+    a second rounding)."""
     if weight_format == "fp16":
         return Fp16Linear(weight, bias)
-    if weight_format == "int8":
-        return Int8Linear(weight, bias, precise=precise)
+    if weight_format in ("int8", "int4"):
+        from core_engine.model.block_weights import quantize_dense
+
+        return block_linear(quantize_dense(weight, weight_format), bias, device=weight.device)
     if weight_format == "dense":
         return DenseLinear(weight, bias)
     raise ValueError(f"make_linear: unresolved weight_format {weight_format!r}")

@@ -8,22 +8,52 @@ order, so RoPE is the NeoX form.
 
 from __future__ import annotations
 
+import fnmatch
+import logging
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core_engine.attention import AttentionContext
+from core_engine.model.block_weights import BlockSource
 from core_engine.model.config import LlamaConfig
 from core_engine.model.linear import (
     DenseLinear,
     Linear,
     TopKRefinedLinear,
+    block_linear,
     make_linear,
     resolve_weight_format,
 )
 from core_engine.model.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["LlamaDecoderLayer", "LlamaModel"]
+
+logger = logging.getLogger(__name__)
+
+
+def _match_format(
+    name: str, layer_formats: Mapping[str, str] | None, default: str, *, dtype: torch.dtype,
+    device: torch.device, file_type: str | None,
+) -> str:
+    for pattern, fmt in (layer_formats or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return resolve_weight_format(fmt, dtype=dtype, device=device, file_type=file_type)
+    return default
+
+
+def _pack(fmt: str, name: str, weight: Tensor, bias: Tensor | None, source: BlockSource | None) -> Linear:
+    """``weight`` (the dense parameter) as a product in ``fmt``, from the file's blocks when
+    ``source`` has them in that format."""
+    if fmt in ("int4", "int8") and source is not None:
+        blocks = source.block_weight(name, fmt)
+        if blocks is not None:
+            return block_linear(blocks, bias, device=weight.device)
+    if fmt == "dense":
+        return DenseLinear(weight, bias)
+    return make_linear(fmt, weight, bias)
 
 
 def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -64,15 +94,13 @@ class LlamaDecoderLayer(nn.Module):
         """x: (T, hidden) residual stream → (T, hidden); cos/sin: (T, 1, head_dim/2)."""
         num_tokens = x.shape[0]
         heads_qk = self.num_heads + self.num_kv_heads
-        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.rms_eps)  # (T, hidden)
-        qkv = self.qkv(h)  # (T, q_size + 2 kv_size)
+        qkv = self.qkv.normed(x, self.attn_norm, self.rms_eps)  # (T, q_size + 2 kv_size)
         qkv = qkv.view(num_tokens, heads_qk + self.num_kv_heads, self.head_dim)
         qk = apply_rotary(qkv[:, :heads_qk], cos, sin)  # (T, n_heads + n_kv_heads, head_dim)
         out = attn.forward(layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, heads_qk:])
         x = self.o.add_to(x, out.reshape(num_tokens, self.q_size))  # x + out @ o_proj.T: (T, hidden)
-        h = F.rms_norm(x, (x.shape[-1],), self.ffn_norm, self.rms_eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)  # (T, inter) each
-        return self.down.add_to(x, F.silu(gate) * up)  # (T, hidden)
+        gate_up = self.gate_up.normed(x, self.ffn_norm, self.rms_eps)  # (T, 2 inter): gate | up
+        return self.down.swiglu_add_to(x, gate_up)  # x + (silu(gate) * up) @ down.T: (T, hidden)
 
 
 class LlamaModel(nn.Module):
@@ -110,42 +138,109 @@ class LlamaModel(nn.Module):
         )
         self.rotary = RotaryEmbedding(config, dtype=dtype, device=device, freq_factors=rope_freq_factors)
         self.head: Linear = DenseLinear(self.lm_head)
-        #: Storage of the matmul weights: "dense" (the parameters above) or "fp16" (packed).
+        #: Storage of the matmul weights: "dense" (the parameters above), or the packed format
+        #: of :meth:`set_weight_format`; ``layer_formats`` the products stored otherwise.
         self.weight_format = "dense"
+        self.layer_formats: dict[str, str] = {}
+        #: The file's blocks for the int4/int8 formats (set by the GGUF loader).
+        self.block_source: BlockSource | None = None
 
-    def set_weight_format(self, weight_format: str) -> str:
+    #: The names :meth:`set_weight_format` matches ``layer_formats`` against.
+    PRODUCTS = ("qkv", "o", "gate_up", "down")
+
+    def product_names(self) -> list[str]:
+        """``layers.{i}.{qkv,o,gate_up,down}`` for every layer, then ``head``."""
+        return [f"layers.{i}.{p}" for i in range(len(self.layers)) for p in self.PRODUCTS] + ["head"]
+
+    def set_weight_format(
+        self,
+        weight_format: str,
+        *,
+        layer_formats: Mapping[str, str] | None = None,
+        source: BlockSource | None = None,
+        file_type: str | None = None,
+    ) -> str:
         """Re-store every projection and the LM head in ``weight_format`` (see
         :mod:`core_engine.model.linear`); returns the resolved format.
+
+        ``layer_formats`` maps product names or globs (``"head"``, ``"layers.3.*"``,
+        ``"layers.*.down"``; see :meth:`product_names`) to a format for those products; the
+        first matching pattern wins. ``source`` gives the file's own blocks for the int4/int8
+        formats (no second rounding where the file's block type matches).
 
         Packing frees the dense copies: afterwards the ``*_proj`` (and an untied ``lm_head``)
         parameters are ``None`` and only :meth:`forward` can use the weights. One-way: load the
         model again for another format.
         """
-        resolved = resolve_weight_format(weight_format, dtype=self.dtype, device=self.device)
-        if resolved == self.weight_format:
+        source = source or self.block_source
+        resolved = resolve_weight_format(weight_format, dtype=self.dtype, device=self.device, file_type=file_type)
+        natural = getattr(source, "natural_format", None) if weight_format == "auto" and resolved in ("int4", "int8") else None
+        formats = {
+            name: _match_format(
+                name, layer_formats, natural(name) if natural else resolved,
+                dtype=self.dtype, device=self.device, file_type=file_type,
+            )
+            for name in self.product_names()
+        }
+        if set(formats.values()) == {self.weight_format} and not self.layer_formats:
             return resolved
-        if self.weight_format != "dense":
+        if self.weight_format != "dense" or self.layer_formats:
             raise ValueError(f"weights are already packed as {self.weight_format!r}")
-        for layer in self.layers:
-            layer.qkv = make_linear(resolved, layer.qkv_proj, layer.qkv_bias)
-            layer.o = make_linear(resolved, layer.o_proj)
-            layer.gate_up = make_linear(resolved, layer.gate_up_proj)
-            layer.down = make_linear(resolved, layer.down_proj)
+        for i, layer in enumerate(self.layers):
+            dense = {"qkv": (layer.qkv_proj, layer.qkv_bias), "o": (layer.o_proj, None),
+                     "gate_up": (layer.gate_up_proj, None), "down": (layer.down_proj, None)}
+            for product, (weight, bias) in dense.items():
+                name = f"layers.{i}.{product}"
+                setattr(layer, product, _pack(formats[name], name, weight, bias, source))
             layer.qkv_proj = layer.qkv_bias = layer.o_proj = layer.gate_up_proj = layer.down_proj = None
-        self.head = make_linear(resolved, self.lm_head)
-        if resolved == "int8":
+        head_format = formats["head"]
+        self.head = _pack(head_format, "head", self.lm_head, None, source)
+        refine = head_format in ("int8", "int4") and self.config.tie_word_embeddings
+        if refine:
+            # The embedding table (kept for lookups) holds the exact rows of a tied head.
             self.head = TopKRefinedLinear(self.head, self.lm_head.detach())
-        if not self.config.tie_word_embeddings and resolved != "int8":
-            # The embedding table stays (rows are looked up); int8 keeps the head's exact rows
-            # for refining the top logits.
+        if not self.config.tie_word_embeddings and head_format != "dense":
             self.lm_head = None
         self.weight_format = resolved
+        self.layer_formats = {n: f for n, f in formats.items() if f != resolved}
         return resolved
+
+    def product(self, name: str) -> Linear:
+        """The product called ``name`` (see :meth:`product_names`)."""
+        if name == "head":
+            return self.head
+        _, idx, product = name.split(".")
+        return getattr(self.layers[int(idx)], product)
 
     def matmul_weight_bytes(self) -> int:
         """Bytes of projection and LM-head weight one forward step reads (a decode roofline)."""
         layers = sum(lin.nbytes for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         return layers + self.head.nbytes
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes of every weight the model holds: products, embedding table, norms, RoPE."""
+        seen: set[int] = set()
+        total = 0
+
+        def add(tensor: Tensor | None) -> None:
+            nonlocal total
+            key = None if tensor is None else tensor.untyped_storage().data_ptr()
+            if tensor is not None and key not in seen:  # one count per storage (tied views)
+                seen.add(key)
+                total += tensor.untyped_storage().nbytes()
+
+        for tensor in self.parameters():
+            add(tensor)
+        for name in self.product_names():
+            lin = self.product(name)
+            if isinstance(lin, TopKRefinedLinear):
+                add(lin._exact)
+            if isinstance(lin, DenseLinear):
+                add(lin.weight)
+                add(lin.bias)
+            else:
+                total += lin.nbytes
+        return total
 
     @property
     def device(self) -> torch.device:

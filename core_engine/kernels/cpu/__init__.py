@@ -1,10 +1,12 @@
 """C++ kernels for the core engine's CPU path, compiled on first use.
 
-``int8_linear.cpp`` is built with the system C++ compiler against the installed torch into
-``$INFERMUX_CACHE_DIR`` (default ``~/.cache/infermux/kernels``), keyed by a hash of the source,
-the torch version, the CPU's features and the compiler flags, so a machine compiles it once (~30 s on 2 cores) and
-later processes load the shared library. A file lock keeps concurrent first uses (e.g. several
-gateway workers) from building it twice.
+Each ``<name>.cpp`` here is one pybind11 extension, built by :func:`cpu_extension` with the
+system C++ compiler against the installed torch into ``$INFERMUX_CACHE_DIR`` (default
+``~/.cache/infermux/kernels``), keyed by a hash of the source, the torch version, the CPU's
+features and the compiler flags (``-march=native``: the instructions this CPU has, AVX2,
+AVX-512 VNNI or AMX, are chosen by the compiler's macros in the source), so a machine compiles
+each once (~30 s on 2 cores) and later processes load the shared library. A file lock keeps
+concurrent first uses (e.g. several gateway workers) from building it twice.
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ import torch
 
 from core_engine.cpu_features import cpu_flags
 
-__all__ = ["KernelBuildError", "int8_linear_module"]
+__all__ = ["KernelBuildError", "cpu_extension"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("int8_linear.cpp")
-_MODULE = "infermux_int8_linear"
+_HERE = Path(__file__).parent
 
 
 class KernelBuildError(RuntimeError):
@@ -43,7 +44,7 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("INFERMUX_CACHE_DIR", Path.home() / ".cache" / "infermux")) / "kernels"
 
 
-def _compile_command(output: Path) -> list[str]:
+def _compile_command(source: Path, module: str, output: Path, march: str = "native") -> list[str]:
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -55,17 +56,17 @@ def _compile_command(output: Path) -> list[str]:
     return [
         # -fopenmp for ATen's header-inline parallel_for; the libgomp.so.1 it links is the one
         # torch has already loaded (same soname), so there is one OpenMP runtime.
-        compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={_MODULE}",
+        compiler, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={module}",
         "-DTORCH_API_INCLUDE_EXTENSION_H",
         *(f"-I{path}" for path in includes),
-        str(_SOURCE), "-o", str(output),
+        str(source), "-o", str(output),
         f"-L{lib_dir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{lib_dir}",
     ]
 
 
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(_MODULE, path)
+def _load(module: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module, path)
     if spec is None or spec.loader is None:
         raise KernelBuildError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
@@ -74,27 +75,34 @@ def _load(path: Path) -> ModuleType:
 
 
 @cache
-def int8_linear_module() -> ModuleType:
-    """The compiled ``int8_linear`` extension (built here on the first call on a machine)."""
+def cpu_extension(name: str, march: str = "native") -> ModuleType:
+    """The compiled extension of ``<name>.cpp`` in this folder (built on a machine's first call).
+
+    ``march``: the compiler's ``-march``; tests build ``"x86-64"`` (no AVX) to run the portable
+    loops of a kernel on a machine whose native build takes the vector paths.
+    """
+    source = _HERE / f"{name}.cpp"
+    if not source.is_file():
+        raise KernelBuildError(f"no kernel source {source}")
+    module = f"infermux_{name}" if march == "native" else f"infermux_{name}_{march.replace('-', '_')}"
     # -march=native: a home directory shared by different CPUs must not share the library.
-    key_parts = [_SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode()]
+    key_parts = [source.read_bytes(), torch.__version__.encode(), sys.version.encode()]
     key_parts.append(" ".join(sorted(cpu_flags())).encode())
-    probe = _compile_command(Path("out.so"))
-    key_parts.append(" ".join(probe).encode())
+    key_parts.append(" ".join(_compile_command(source, module, Path("out.so"), march)).encode())
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
     directory = _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"{_MODULE}-{key}.so"
-    with open(directory / f"{_MODULE}.lock", "w") as lock:
+    target = directory / f"{module}-{key}.so"
+    with open(directory / f"{module}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
-            logger.info("compiling the int8 CPU kernel (one-off on this machine, ~30 s)...")
+            logger.info("compiling the %s CPU kernel (one-off on this machine, ~30 s)...", name)
             started = time.perf_counter()
             partial = target.with_suffix(f".{os.getpid()}.tmp")
-            result = subprocess.run(_compile_command(partial), capture_output=True, text=True)
+            result = subprocess.run(_compile_command(source, module, partial, march), capture_output=True, text=True)
             if result.returncode != 0:
                 partial.unlink(missing_ok=True)
-                raise KernelBuildError(f"compiling {_SOURCE.name} failed:\n{result.stderr[-4000:]}")
+                raise KernelBuildError(f"compiling {source.name} failed:\n{result.stderr[-4000:]}")
             partial.replace(target)
-            logger.info("int8 CPU kernel compiled in %.0f s: %s", time.perf_counter() - started, target)
-    return _load(target)
+            logger.info("%s CPU kernel compiled in %.0f s: %s", name, time.perf_counter() - started, target)
+    return _load(module, target)

@@ -18,7 +18,14 @@ triton = pytest.importorskip("triton", reason="the dev extra installs triton; th
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from core_engine.kernels.triton_ops import cache_write, paged_attention, rms_norm, rotary, sampling  # noqa: E402
+from core_engine.kernels.triton_ops import (  # noqa: E402
+    cache_write,
+    paged_attention,
+    rms_norm,
+    rotary,
+    sampling,
+    w4a16,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 AMPERE = GPUTarget("cuda", 80, 32)
@@ -179,3 +186,36 @@ def test_sampling_kernels_compile() -> None:
         BLOCK_V=1024,
         NUM_PROBES=16,
     )
+
+
+W4A16_CASES = {
+    # (activation dtype, M, K, bias): Llama-8B decode and prefill in fp16/bf16, an fp32 model.
+    "decode-fp16": ("*fp16", 1, 4096, False),
+    "decode-bf16-bias": ("*bf16", 8, 4096, True),
+    "mid-bf16": ("*bf16", 24, 14336, False),
+    "prefill-fp16": ("*fp16", 512, 4096, False),
+    "fp32-k96": ("*fp32", 3, 96, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(W4A16_CASES))
+def test_w4a16_kernel_compiles(case: str) -> None:
+    dtype, m, k, has_bias = W4A16_CASES[case]
+    block_m, block_n, block_k = w4a16._default_tiles(m, k)
+    for target in (HOPPER, AMPERE) if case == "decode-bf16-bias" else (HOPPER,):
+        kernel = _compile(
+            w4a16._w4a16_matmul_kernel,
+            target=target,
+            out_ptr=dtype,
+            x_ptr=dtype,
+            qweight_ptr="*u8",
+            scales_ptr="*fp16",
+            mins_ptr="*fp16",
+            bias_ptr=dtype,
+            HAS_BIAS=has_bias,
+            DOT_FP32=dtype == "*fp32",
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
+        assert ".entry _w4a16_matmul_kernel" in kernel.asm["ptx"]

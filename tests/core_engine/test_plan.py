@@ -1,0 +1,235 @@
+"""``infermux plan`` / ``plan_model``: memory and roofline arithmetic on the real default model.
+
+The default model is SmolLM2-135M-Instruct Q4_1: 30 layers, 3 kv heads of 64, tied
+embeddings. This machine's CPU is measured once for the module (``cpu_plan``); the named
+devices take the datasheet table and measure nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backends.default_model import default_model_path
+from core_engine.gguf_loader import GGUFFile
+from core_engine.model.formats import bytes_per_weight
+from core_engine.plan import Plan, PlanError, plan_model
+from core_engine.plan.estimate import kv_bytes_per_token
+from gateway.cli import main
+from tests.core_engine.gguf_factory import TinyLlamaSpec, write_llama_gguf
+
+MODEL = default_model_path()
+
+
+@pytest.fixture(scope="module")
+def cpu_plan() -> Plan:
+    return plan_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def h100_plan() -> Plan:
+    return plan_model(MODEL, device="h100")
+
+
+def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_kv_bytes_per_token_of_smollm2(cpu_plan: Plan, h100_plan: Plan) -> None:
+    config = cpu_plan.config
+    assert kv_bytes_per_token(config, "float32", 16) == 2 * 30 * 3 * 64 * 4 == 46080
+    assert kv_bytes_per_token(config, "bfloat16", 16) == 2 * 30 * 3 * 64 * 2
+    # int8/fp8 codes: one byte each, plus a float32 scale per (layer, K/V, kv head) per block of 16.
+    quantized = 2 * 30 * 3 * 64 * 1 + 2 * 30 * 3 * 4 / 16
+    for kv in ("int8", "fp8_e4m3"):
+        assert cpu_plan.row("int4", kv).kv_bytes_per_token == quantized
+        assert cpu_plan.row("int4", kv).kv_bytes_per_request == quantized * 8192
+    compute = cpu_plan.device.compute_dtype
+    assert cpu_plan.row("dense", compute).kv_bytes_per_token == kv_bytes_per_token(config, compute, 16)
+    assert h100_plan.row("int4", "bfloat16").kv_bytes_per_token == 23040
+
+
+def test_weight_bytes_follow_the_files_tensor_shapes(h100_plan: Plan) -> None:
+    gguf_file = GGUFFile(MODEL)
+    counts = {t.name: int(t.n_elements) for t in gguf_file.reader.tensors}
+    embedding = counts.pop("token_embd.weight")
+    assert "output.weight" not in counts  # tied: the head multiplies the embedding table
+    products = sum(n for name, n in counts.items() if len(gguf_file.tensor(name).shape) == 2)
+    vectors = sum(counts.values()) - products
+    assert (products, embedding, vectors) == (30 * 3_538_944, 49152 * 576, 61 * 576)
+
+    plan = plan_model(MODEL, device="cpu", measure=False)
+    dense = plan.device.compute_dtype
+    size = {"float32": 4, "bfloat16": 2}[dense]
+    # dense: the head is the embedding table itself, held once.
+    assert plan.row("dense", dense).weight_bytes == (products + embedding + vectors) * size
+    for fmt, dtype_size in (("fp16", 4), ("int8", size), ("int4", size)):
+        if fmt not in plan.device.weight_formats:
+            continue
+        expected = round((products + embedding) * bytes_per_weight(fmt)) + (embedding + vectors) * dtype_size
+        assert plan.row(fmt, dense).weight_bytes == expected, fmt
+    assert h100_plan.row("int4", "int8").weight_bytes == round((products + embedding) * 20 / 32) + (embedding + vectors) * 2
+    assert h100_plan.row("dense", "int8").weight_bytes == (products + embedding + vectors) * 2
+
+
+def test_untied_head_is_one_product_next_to_the_embedding_table(tmp_path: Path) -> None:
+    path = write_llama_gguf(tmp_path / "tiny.gguf", spec=TinyLlamaSpec(tie_embeddings=False))
+    plan = plan_model(path, device="h100")
+    counts = {t.name: int(t.n_elements) for t in GGUFFile(path).reader.tensors}
+    total = sum(counts.values())
+    assert plan.row("dense", "bfloat16").weight_bytes == total * 2
+    head, embedding = counts["output.weight"], counts["token_embd.weight"]
+    int8 = plan.row("int8", "bfloat16").weight_bytes
+    assert int8 == round((plan.weights.layer_params + head) * 34 / 32) + (embedding + plan.weights.vector_params) * 2
+
+
+def test_largest_concurrency_fits_and_one_more_does_not(cpu_plan: Plan, h100_plan: Plan) -> None:
+    for plan in (cpu_plan, h100_plan):
+        assert plan.usable_memory_bytes == int(plan.device.memory_bytes.value * 0.9)
+        for row in plan.rows:
+            assert row.max_concurrency > 0
+            assert row.weight_bytes + row.max_concurrency * row.kv_bytes_per_request <= plan.usable_memory_bytes
+            assert row.weight_bytes + (row.max_concurrency + 1) * row.kv_bytes_per_request > plan.usable_memory_bytes
+            assert row.fits_concurrency == (row.max_concurrency >= 32)
+    # A quarter of the bytes per token: four times the requests, give or take the weights.
+    assert h100_plan.row("int4", "int8").max_concurrency >= 1.9 * h100_plan.row("int4", "bfloat16").max_concurrency
+
+
+def test_decode_is_the_lesser_bound_and_says_which(cpu_plan: Plan, h100_plan: Plan) -> None:
+    for plan in (cpu_plan, h100_plan):
+        bandwidth = plan.device.memory_bandwidth
+        assert bandwidth is not None
+        for row in plan.rows:
+            assert row.decode_ops_per_s is not None
+            compute = row.decode_ops_per_s / (2 * plan.weights.matmul_params)
+            for n, tok_s, bound in ((1, row.decode_tok_s_batch1, row.bound_batch1),
+                                    (32, row.decode_tok_s_concurrency, row.bound_concurrency)):
+                kv_read = n * row.kv_bytes_per_token * 8192 / 2
+                memory = n * bandwidth.value / (row.weight_bytes_read_per_step + kv_read)
+                assert tok_s == pytest.approx(min(memory, compute))
+                assert bound == ("memory" if memory <= compute else "compute")
+            assert row.decode_tok_s_concurrency >= row.decode_tok_s_batch1
+            assert row.prefill_tok_s is not None and row.prefill_tok_s > 0
+    # Fewer weight bytes, faster batch-1 decode where bandwidth binds.
+    kv = cpu_plan.device.compute_dtype
+    if cpu_plan.row("int4", kv).bound_batch1 == cpu_plan.row("dense", kv).bound_batch1 == "memory":
+        assert cpu_plan.row("int4", kv).decode_tok_s_batch1 > cpu_plan.row("dense", kv).decode_tok_s_batch1
+
+
+def test_cpu_figures_are_measured_and_the_block_kernels_timed(cpu_plan: Plan) -> None:
+    spec = cpu_plan.device
+    assert spec.memory_bytes.source == "system" and "MemAvailable" in spec.memory_bytes.note
+    assert spec.memory_bandwidth is not None and spec.memory_bandwidth.source == "measured"
+    assert spec.flops["float32"].source == "measured"
+    assert spec.int8_ops is not None and spec.int8_ops.source == "estimated"
+    assert spec.int8_ops.value in (spec.flops["float32"].value * f for f in (1, 2, 4))
+    # The int8/int4 rows take the engine's own kernel, timed here, not the estimate.
+    assert cpu_plan.row("int4", spec.compute_dtype).decode_ops_source == "measured"
+    assert spec.kernel_ops["int4"].source == "measured" and spec.kernel_ops["int4"].value > 0
+
+
+def test_named_gpu_rows_use_the_datasheet_table(h100_plan: Plan) -> None:
+    spec = h100_plan.device
+    assert spec.memory_bytes.value == 80e9 and spec.memory_bytes.source == "datasheet"
+    assert spec.memory_bandwidth is not None and spec.memory_bandwidth.value == 3.35e12
+    assert {(r.weight_format, r.kv_dtype) for r in h100_plan.rows} == {
+        (f, kv) for f in ("dense", "int8", "int4") for kv in ("bfloat16", "int8", "fp8_e4m3")
+    }
+    a100 = plan_model(MODEL, device="a100-80g")
+    assert {r.kv_dtype for r in a100.rows} == {"bfloat16", "int8"}  # no fp8 hardware
+    assert h100_plan.choice.weight_format == "int4"  # a Q4_1 file on CUDA: W4A16
+    assert h100_plan.row("auto", "auto") is h100_plan.row("int4", "bfloat16")
+
+
+def test_policy_choice_is_the_auto_weight_format(cpu_plan: Plan) -> None:
+    from core_engine.model.formats import auto_weight_format
+
+    auto = auto_weight_format("cpu", getattr(__import__("torch"), cpu_plan.device.compute_dtype), "Q4_1")
+    assert cpu_plan.file_type == "Q4_1"
+    assert cpu_plan.choice.weight_format == auto.weight_format
+    assert auto.reason in cpu_plan.choice.weight_reason
+    assert cpu_plan.choice.kv_dtype == cpu_plan.device.compute_dtype
+
+
+def test_row_names_the_argument_it_does_not_know(h100_plan: Plan) -> None:
+    with pytest.raises(PlanError) as info:
+        h100_plan.row("fp16", "bfloat16")  # CPU only
+    assert info.value.param == "weight_format"
+    with pytest.raises(PlanError) as info:
+        h100_plan.row("int4", "float32")
+    assert info.value.param == "kv_dtype"
+
+
+def test_cli_text_names_every_format_and_the_choice(cpu_plan: Plan, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run_cli(["--model", str(MODEL)], capsys)
+    assert code == 0
+    assert "measuring" in err  # progress goes to stderr
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["FORMAT", "KV"]) + 1
+    table = [line.split() for line in lines[start : lines.index("", start)]]
+    assert len(table) == len(cpu_plan.rows)
+    formats = {cells[1] if cells[0] == "*" else cells[0] for cells in table}
+    assert formats == set(cpu_plan.device.weight_formats)
+    assert sum(cells[0] == "*" for cells in table) == 1
+    choice = next(line for line in out.splitlines() if line.startswith("choice"))
+    assert f"{cpu_plan.choice.weight_format} weights" in choice
+    assert cpu_plan.choice.weight_reason in out
+    assert "estimated" in out and "10%" in out
+
+
+def test_cli_json_has_the_rows(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / MODEL.name).symlink_to(MODEL)  # a directory holding one .gguf
+    code, out, _ = _run_cli(["--model", str(tmp_path), "--device", "h100", "--json", "--concurrency", "4"], capsys)
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["inputs"]["concurrency"] == 4 and plan["inputs"]["device"] == "h100"
+    assert plan["device"]["memory_bytes"] == {"value": 80e9, "source": "datasheet", "note": plan["device"]["reference"]}
+    assert len(plan["rows"]) == 9
+    row = next(r for r in plan["rows"] if (r["weight_format"], r["kv_dtype"]) == ("int4", "fp8_e4m3"))
+    assert row["kv_bytes_per_token"] == 2 * 30 * 3 * 64 + 2 * 30 * 3 * 4 / 16
+    assert plan["choice"]["weight_format"] == "int4"
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--model", "/nonexistent/model.gguf"], "--model"),
+        (["--model", "pyproject.toml"], "--model"),
+        (["--model", str(MODEL), "--device", "tpu9"], "--device"),
+        (["--model", str(MODEL), "--context", "0"], "--context"),
+        (["--model", str(MODEL), "--context", "many"], "--context"),
+        (["--model", str(MODEL), "--concurrency", "-3"], "--concurrency"),
+    ],
+)
+def test_cli_bad_arguments_exit_2_naming_the_option(
+    argv: list[str], option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run_cli(argv, capsys)
+    assert code == 2
+    assert f"argument {option}" in err and out == ""
+
+
+def test_cli_refuses_a_directory_without_one_gguf_and_other_architectures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run_cli(["--model", str(tmp_path)], capsys)
+    assert code == 2 and "argument --model" in err and "exactly one .gguf" in err
+    path = write_llama_gguf(tmp_path / "qwen.gguf", spec=TinyLlamaSpec(architecture="qwen2"))
+    code, _, err = _run_cli(["--model", str(path), "--device", "l4"], capsys)
+    assert code == 2 and "argument --model" in err and "architecture 'qwen2' is not supported" in err
+
+
+def test_cli_cuda_without_a_gpu_names_device(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    code, _, err = _run_cli(["--model", str(MODEL), "--device", "cuda"], capsys)
+    assert code == 2 and "argument --device" in err and "no CUDA GPU" in err
