@@ -14,7 +14,11 @@ llama.cpp runs in-process through llama-cpp-python's low-level batch API
 (``benchmarks/llamacpp_batch.py``: one ``llama_decode`` per step over all sequences, one KV
 stream per sequence), which is stronger than its HTTP server. Each figure is also printed as a fraction of its roofline on
 this machine: decode is bounded by weight bytes / measured memory bandwidth, prefill by
-FLOPs / measured matmul FLOP/s in the engine's dtype, a batch of N by the larger of the two.
+FLOPs / measured matmul FLOP/s in the engine's dtype, a batch of N by the larger of the two;
+and as a fraction of the roofline ``infermux plan`` computes for the engine's weight format
+and KV dtype (its own measurements of this machine, the block kernels timed). Then the
+accuracy of the engine's format and of llama.cpp against the exact model (mean KL, top-1),
+and where a decode step's time goes (cProfile, batch 1 and 16).
 
     .venv/bin/python benchmarks/core_engine_vs_llamacpp.py            # the full run
     .venv/bin/python benchmarks/core_engine_vs_llamacpp.py --quick    # reduced sizes
@@ -46,7 +50,7 @@ from core_engine.llm_engine import LLMEngine  # noqa: E402
 from core_engine.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-TARGETS = {"batch_16": 1.5, "batch_64": 2.5, "prefill_512": 2.0, "decode_1": 0.5}
+TARGETS = {"batch_16": 2.5, "batch_64": 3.5, "prefill_512": 3.0, "decode_1": 1.0}
 TEXT = (
     "The history of mountain huts begins with shepherds who needed shelter in summer pastures. "
     "Later, alpine clubs built stone refuges along the main routes, each with a warden, a stove "
@@ -159,7 +163,7 @@ def main() -> None:
     parser.add_argument(
         "--weight-format",
         default="auto",
-        choices=["auto", "dense", "fp16", "int8"],
+        choices=["auto", "dense", "fp16", "int8", "int4"],
         help="matmul weight storage (EngineConfig.weight_format)",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
@@ -173,6 +177,8 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="reduced sizes: a proof run")
     parser.add_argument("--note", default="", help="free text stored in the JSON (machine state)")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip the KL / top-1 comparison")
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-step time breakdown")
     args = parser.parse_args()
     if args.quick:
         args.concurrency, args.output_len, args.prefix_len, args.repeats = [16, 64], 32, 1500, 2
@@ -222,6 +228,19 @@ def main() -> None:
         flush=True,
     )
 
+    from core_engine.plan import plan_model
+
+    engine_format = engine.model_runner.model.weight_format
+    kv_name = str(dtype).removeprefix("torch.")
+    plans: dict[str, Any] = {}
+
+    def plan_row(context: int, concurrency: int) -> Any:
+        """The row of ``infermux plan`` for the engine's format and KV dtype."""
+        key = f"{context}x{concurrency}"
+        if key not in plans:
+            plans[key] = plan_model(model_path, device="cpu", context=context, concurrency=concurrency)
+        return plans[key].row(engine_format, kv_name)
+
     def roofline(batch: int, weight_bytes: float) -> float:
         step = max(
             weight_bytes / machine["bandwidth_Bps"],
@@ -251,6 +270,7 @@ def main() -> None:
         "llamacpp": llama_tps,
         "engine_roofline": None,
         "roofline_fn": lambda: (roofline(1, costs["weight_bytes"]), roofline(1, gguf_bytes)),
+        "plan_fn": lambda: plan_row(12 + n, 1).decode_tok_s_batch1,
     }
 
     print("prefill...", flush=True)
@@ -276,6 +296,7 @@ def main() -> None:
         "llamacpp": llama_tps,
         "engine_roofline": None,
         "roofline_fn": lambda: (machine["matmul_flops"] / costs["flops_per_token"],) * 2,
+        "plan_fn": lambda: plan_row(args.prefill_len, 1).prefill_tok_s,
     }
 
     for conc in args.concurrency:
@@ -302,6 +323,7 @@ def main() -> None:
                 roofline(conc, costs["weight_bytes"]),
                 roofline(conc, gguf_bytes),
             ),
+            "plan_fn": lambda conc=conc: plan_row(12 + n, conc).decode_tok_s_concurrency,
         }
 
     print(f"TTFT with a {args.prefix_len}-token cached prefix...", flush=True)
@@ -330,18 +352,117 @@ def main() -> None:
         ttft["llamacpp_warm"] = time.perf_counter() - t
         ttft["llamacpp"] = ttft["llamacpp_warm"] / ttft["llamacpp_cold"]
     results["ttft_prefix"] = ttft
+    accuracy = None if args.no_accuracy else measure_accuracy(engine, model_path, llama, corpus)
     if llama and llama_multi:
         llama.close()
         llama_multi.close()
+    profile = None if args.no_profile else profile_steps(engine, short, n)
     # Limits again at the end (best of both): a busy moment at the start must not lower them.
     machine["bandwidth_Bps"] = max(machine["bandwidth_Bps"], measure_bandwidth())
     machine["matmul_flops"] = max(machine["matmul_flops"], measure_matmul_flops(dtype))
+    print("rooflines of infermux plan...", flush=True)
     for r in results.values():
         if "engine_roofline" in r:
             r["engine_roofline"], r["llamacpp_roofline"] = r["roofline_fn"]()
             del r["roofline_fn"]
+            r["plan_roofline"] = r.pop("plan_fn")()
+    extra = {
+        "weight_format": engine_format,
+        "layer_formats": engine.model_runner.model.layer_formats,
+        "accuracy": accuracy,
+        "profile": profile,
+    }
+    report(args, results, machine, costs, gguf_bytes, str(dtype), model_path.name, extra)
 
-    report(args, results, machine, costs, gguf_bytes, str(dtype), model_path.name)
+
+def measure_accuracy(engine: LLMEngine, model_path: Path, llama: Any, corpus: list[int]) -> dict[str, Any]:
+    """Mean KL from the exact (dense fp32) model's next-token distribution and top-1
+    agreement, teacher-forced on 300 tokens of the corpus: the engine's format, and llama.cpp."""
+    from core_engine.attention import ContiguousAttention
+    from core_engine.gguf_loader import load_model
+
+    print("accuracy against the exact model...", flush=True)
+    ids = corpus[:300]
+    exact_model, _, _ = load_model(model_path, dtype=torch.float32, show_progress=False)
+
+    def logits(model: Any) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(torch.tensor(ids), torch.arange(len(ids)), ContiguousAttention(model.config.num_layers)).float()
+
+    exact = logits(exact_model).log_softmax(-1)
+    del exact_model
+
+    def compare(other: torch.Tensor) -> dict[str, float]:
+        lp = other.float().log_softmax(-1)
+        return {
+            "kl": float((exact.exp() * (exact - lp)).sum(-1).mean()),
+            "top1": float((exact.argmax(-1) == lp.argmax(-1)).float().mean()),
+        }
+
+    out = {"positions": len(ids), "engine": compare(logits(engine.model_runner.model))}
+    if llama is not None:
+        import llama_cpp
+        import numpy as np
+
+        ref = llama_cpp.Llama(str(model_path), n_ctx=512, n_threads=torch.get_num_threads(), logits_all=True, verbose=False)
+        try:
+            ref.eval(ids)
+            out["llamacpp"] = compare(torch.from_numpy(np.array(ref.scores[: len(ids)])))
+        finally:
+            ref.close()
+    return out
+
+
+#: Where a decode step's time goes: cProfile's own time per function, grouped.
+_PROFILE_GROUPS = (
+    ("products (quant_linear / linear kernels)", ("quant_linear", "linear", "addmm", "linear_dynamic")),
+    ("attention (cache write + decode kernel)", ("paged_decode", "scaled_dot_product", "index_copy", "index_select", "write_quantized", "paged_attention")),
+    ("sampling", ("sampler", "sample", "topk", "argmax", "softmax", "multinomial")),
+    ("scheduler + metadata + outputs", ("scheduler", "kv_cache_manager", "block_pool", "build_attention_metadata", "_make_output", "stop_checker", "detoken", "request")),
+)
+
+
+def profile_steps(engine: LLMEngine, prompts: list[list[int]], n: int) -> dict[str, Any]:
+    """Per-step time breakdown (cProfile, own time) of decode at batch 1 and 16."""
+    import cProfile
+    import pstats
+
+    print("profiling decode steps...", flush=True)
+    out: dict[str, Any] = {}
+    for batch in (1, 16):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"prof{batch}-{i}", prompts[i], params)
+        engine.step()  # prefill
+        prof = cProfile.Profile()
+        steps = 0
+        started = time.perf_counter()
+        prof.enable()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        prof.disable()
+        wall = time.perf_counter() - started
+        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        groups = {name: 0.0 for name, _ in _PROFILE_GROUPS}
+        groups["other python / torch ops"] = 0.0
+        total = 0.0
+        for (filename, _, func), (_, _, tottime, _, _) in stats.items():
+            total += tottime
+            key = f"{filename}:{func}".lower()
+            for name, needles in _PROFILE_GROUPS:
+                if any(needle in key for needle in needles):
+                    groups[name] += tottime
+                    break
+            else:
+                groups["other python / torch ops"] += tottime
+        out[f"batch_{batch}"] = {
+            "steps": steps,
+            "ms_per_step_profiled": total / max(steps, 1) * 1e3,
+            "ms_per_step_wall": wall / max(steps, 1) * 1e3,
+            "ms_per_step": {name: t / max(steps, 1) * 1e3 for name, t in groups.items()},
+        }
+    return out
 
 
 def _llama_decode_time(llama: Any, prompt: list[int], n: int) -> float:
@@ -364,14 +485,17 @@ def report(
     gguf_bytes: float,
     dtype: str,
     model_name: str,
+    extra: dict[str, Any],
 ) -> None:
     print()
+    print(f"engine weights: {extra['weight_format']}" + (f" ({extra['layer_formats']})" if extra["layer_formats"] else ""))
     print(
         f"limits (best of start and end): read bandwidth {machine['bandwidth_Bps'] / 1e9:.1f} GB/s, "
         f"{dtype} matmul {machine['matmul_flops'] / 1e9:.0f} GFLOP/s"
     )
     print(
         f"{'figure':<14}{'engine':>12}{'llama.cpp':>12}{'ratio':>8}{'target':>8}{'eng/roof':>10}{'lcpp/roof':>10}"
+        f"{'plan':>10}{'eng/plan':>10}"
     )
     for name, r in results.items():
         if name == "ttft_prefix":
@@ -386,7 +510,10 @@ def report(
             f"{name:<14}{r['engine']:>12.1f}{_fmt(r.get('llamacpp'), '.1f'):>12}{_fmt(ratio, '.2f'):>8}"
             f"{_fmt(TARGETS.get(name), '.1f'):>8}{r['engine_fraction_of_roofline']:>10.2f}"
             f"{_fmt(r['llamacpp_fraction_of_roofline'], '.2f'):>10}"
+            f"{_fmt(r.get('plan_roofline'), '.0f'):>10}"
+            f"{_fmt(r['engine'] / r['plan_roofline'] if r.get('plan_roofline') else None, '.2f'):>10}"
         )
+        r["engine_fraction_of_plan"] = r["engine"] / r["plan_roofline"] if r.get("plan_roofline") else None
     t = results["ttft_prefix"]
     print(
         f"TTFT {args.prefix_len}-token prefix: engine cold {t['engine_cold'] * 1e3:.0f} ms, warm "
@@ -397,6 +524,15 @@ def report(
             else ""
         )
     )
+    acc = extra.get("accuracy")
+    if acc:
+        line = f"accuracy vs the exact model ({acc['positions']} positions): engine KL {acc['engine']['kl']:.5f}, top-1 {acc['engine']['top1']:.3f}"
+        if "llamacpp" in acc:
+            line += f"; llama.cpp KL {acc['llamacpp']['kl']:.5f}, top-1 {acc['llamacpp']['top1']:.3f}"
+        print(line)
+    for batch, prof in (extra.get("profile") or {}).items():
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in prof["ms_per_step"].items())
+        print(f"profile {batch}: {prof['ms_per_step_wall']:.2f} ms/step wall ({prof['ms_per_step_profiled']:.2f} under cProfile): {parts}")
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     RESULTS.mkdir(parents=True, exist_ok=True)
     base = RESULTS / f"core_engine_vs_llamacpp-{stamp}"
@@ -419,6 +555,7 @@ def report(
         "costs": {**costs, "gguf_bytes": gguf_bytes},
         "targets": TARGETS,
         "results": results,
+        **extra,
     }
     base.with_suffix(".json").write_text(json.dumps(payload, indent=2))
     _plot(results, base.with_suffix(".png"), args)

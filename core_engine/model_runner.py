@@ -151,6 +151,7 @@ class ModelRunner:
                 sample_items.append(i)
 
         device = self.device
+        compiled = self._decode_forward is not None and not prefills and not spec_items
         self.attn.prepare(
             build_attention_metadata(
                 block_size=self.block_size,
@@ -158,9 +159,10 @@ class ModelRunner:
                 prefills=prefills,
                 device=device,
                 use_kernel=self.attn.uses_kernel,
+                # The C++ CPU decode reads the block tables; a compiled forward traces torch's.
+                decode_gather=compiled or not self.attn.uses_cpu_kernel,
             )
         )
-        compiled = self._decode_forward is not None and not prefills and not spec_items
         forward = self._decode_forward if compiled else self.model
         logits = forward(
             torch.tensor(input_ids, dtype=torch.long, device=device),

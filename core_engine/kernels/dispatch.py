@@ -10,6 +10,9 @@ dispatcher asks :func:`use_triton` per call:
   machines without a GPU;
 * everything else runs torch, and ``INFERMUX_KERNELS=torch`` forces torch everywhere (to
   compare the two on a GPU, or to rule a kernel out while debugging).
+
+The same switch turns off the C++ decode attention of :mod:`core_engine.kernels.cpu` that
+:class:`~core_engine.paged_attention.PagedAttention` uses on the CPU (:func:`torch_forced`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 
 import torch
 
-__all__ = ["interpreter_enabled", "triton_available", "use_triton"]
+__all__ = ["interpreter_enabled", "torch_forced", "triton_available", "use_triton"]
 
 _BACKEND_ENV = "INFERMUX_KERNELS"
 _BACKEND_CHOICES = ("auto", "torch")
@@ -43,11 +46,16 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def use_triton(device: torch.device) -> bool:
-    """Whether a kernel on tensors of ``device`` should run its Triton implementation."""
+def torch_forced() -> bool:
+    """True when ``INFERMUX_KERNELS=torch`` asks for the pure-torch path everywhere."""
     choice = os.environ.get(_BACKEND_ENV, "auto").strip().lower() or "auto"
     if choice not in _BACKEND_CHOICES:
         raise ValueError(f"{_BACKEND_ENV} must be one of {_BACKEND_CHOICES}, got {choice!r}")
-    if choice == "torch" or (device.type != "cuda" and not interpreter_enabled()):
+    return choice == "torch"
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether a kernel on tensors of ``device`` should run its Triton implementation."""
+    if torch_forced() or (device.type != "cuda" and not interpreter_enabled()):
         return False
     return triton_available()  # checked last: importing triton is not free

@@ -43,8 +43,8 @@ __all__ = [
 ]
 
 #: Input rows from which the block formats multiply dequantised weight tiles with the dense
-#: GEMM instead of int8 dot products (measured crossover on AVX2 at 2 threads: between 16 and
-#: 64 rows; see docs/benchmarks.md "int4 kernel").
+#: GEMM instead of the int8 dot products (the same products either way; measured crossover on
+#: AVX2 at 2 threads between 16 and 64 rows, see docs/benchmarks.md "Weight formats").
 DENSE_ROWS = 32
 
 
@@ -68,6 +68,17 @@ class _Product:
         """``residual + self(silu(gate) * up)`` for ``gate_up = gate | up`` (T, 2 * in)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return self.add_to(residual, F.silu(gate) * up)
+
+    def normed_rope(
+        self, x: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor, rotated_heads: int, head_dim: int
+    ) -> Tensor:
+        """``self.normed(x, ...)`` as (T, heads, head_dim) with RoPE applied to the first
+        ``rotated_heads`` heads (the q and k of a fused QKV); cos/sin: (T, 1, head_dim/2)."""
+        from core_engine.model.rope import apply_rotary
+
+        out = self.normed(x, norm_weight, eps)
+        out = out.view(out.shape[0], -1, head_dim)
+        return torch.cat((apply_rotary(out[:, :rotated_heads], cos, sin), out[:, rotated_heads:]), dim=1)
 
 
 class DenseLinear(_Product):
@@ -156,6 +167,15 @@ class BlockQuantLinear(_Product):
 
     def swiglu_add_to(self, residual: Tensor, gate_up: Tensor) -> Tensor:
         return self._kernel(gate_up, self._qweight, self._scales, self._mins, self._bias, residual, None, 1e-6, True, self.dense_rows)
+
+    def normed_rope(
+        self, x: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor, rotated_heads: int, head_dim: int
+    ) -> Tensor:
+        out = self._kernel(
+            x, self._qweight, self._scales, self._mins, self._bias, None, norm_weight, eps, False, self.dense_rows,
+            cos, sin, rotated_heads * head_dim,
+        )
+        return out.view(out.shape[0], -1, head_dim)
 
     def dequantized(self) -> Tensor:
         """The weight as fp32 (out, in): what the kernel multiplies (tests, sensitivity)."""

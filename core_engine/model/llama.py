@@ -27,7 +27,7 @@ from core_engine.model.linear import (
     make_linear,
     resolve_weight_format,
 )
-from core_engine.model.rope import RotaryEmbedding, apply_rotary
+from core_engine.model.rope import RotaryEmbedding
 
 __all__ = ["LlamaDecoderLayer", "LlamaModel"]
 
@@ -94,10 +94,11 @@ class LlamaDecoderLayer(nn.Module):
         """x: (T, hidden) residual stream → (T, hidden); cos/sin: (T, 1, head_dim/2)."""
         num_tokens = x.shape[0]
         heads_qk = self.num_heads + self.num_kv_heads
-        qkv = self.qkv.normed(x, self.attn_norm, self.rms_eps)  # (T, q_size + 2 kv_size)
-        qkv = qkv.view(num_tokens, heads_qk + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :heads_qk], cos, sin)  # (T, n_heads + n_kv_heads, head_dim)
-        out = attn.forward(layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, heads_qk:])
+        # (T, n_heads + 2 n_kv_heads, head_dim), RoPE applied to q and k
+        qkv = self.qkv.normed_rope(x, self.attn_norm, self.rms_eps, cos, sin, heads_qk, self.head_dim)
+        out = attn.forward(
+            layer_idx, qkv[:, : self.num_heads], qkv[:, self.num_heads : heads_qk], qkv[:, heads_qk:]
+        )
         x = self.o.add_to(x, out.reshape(num_tokens, self.q_size))  # x + out @ o_proj.T: (T, hidden)
         gate_up = self.gate_up.normed(x, self.ffn_norm, self.rms_eps)  # (T, 2 inter): gate | up
         return self.down.swiglu_add_to(x, gate_up)  # x + (silu(gate) * up) @ down.T: (T, hidden)

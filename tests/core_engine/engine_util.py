@@ -16,7 +16,14 @@ from core_engine.sampling_params import SamplingParams
 
 def make_engine(model_path: str | Path, **overrides: object) -> LLMEngine:
     # One thread: on a shared 2-core machine two OpenMP threads wait on each other (10-50x slower).
-    options: dict[str, object] = {"dtype": "float32", "kv_cache_memory_bytes": 64 * 2**20, "num_threads": 1}
+    # Dense fp32 weights: these tests compare token for token two ways of computing the same
+    # thing (paged vs contiguous attention, speculative vs plain decoding), exact in fp32; the
+    # block formats' 8-bit activations round, so a 1e-7 difference in an attention sum can flip
+    # a near-tie there. The default (int4) path has its own tests (test_weight_format.py) and
+    # serves every gateway test.
+    options: dict[str, object] = {
+        "dtype": "float32", "weight_format": "dense", "kv_cache_memory_bytes": 64 * 2**20, "num_threads": 1,
+    }
     options.update(overrides)
     return LLMEngine.from_config(EngineConfig(model_path=str(model_path), **options))  # type: ignore[arg-type]
 

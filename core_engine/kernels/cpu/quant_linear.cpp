@@ -15,12 +15,14 @@
 // compile time by -march=native (the library is cached per CPU; see __init__.py).
 //
 // Fused around the product, so a decoder layer makes fewer calls: an RMSNorm of the input
-// rows (``norm_weight``), SwiGLU of a (M, 2K) gate|up input (``swiglu``), a bias, and a
-// residual added in the output pass.
+// rows (``norm_weight``), SwiGLU of a (M, 2K) gate|up input (``swiglu``), a bias, a residual
+// added in the output pass, and RoPE on the first ``rope_cols`` outputs (the q and k heads of
+// a fused QKV projection).
 //
-// Rows past ``dense_rows`` (prefill chunks) dequantise the weights in tiles of rows to the
-// activation dtype and multiply them with at::mm (MKL/oneDNN: AMX bf16 on CPUs that have
-// it), which beats the int8 dot products once the tile is reused by many rows.
+// Inputs of ``dense_rows`` rows or more (prefill chunks) dequantise the weights in tiles of rows
+// to the activation dtype and multiply them with at::mm (MKL/oneDNN: AMX bf16 on CPUs that
+// have it), which beats the int8 dot products once a tile is reused by many rows; the input
+// is quantised to the same int8 blocks first, so both paths compute the same products.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -410,13 +412,35 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& d, const c10::opt
   }
 }
 
+// RoPE (rotate-half) on the first ``cols`` columns of each output row, in heads of ``head_dim``:
+// pairs (i, i + head_dim/2) of a head rotate by the row's angle i (cos/sin: (M, head_dim/2)).
+void apply_rope(float* y, int64_t M, int64_t N, const float* cos, const float* sin, int64_t cols, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* c = cos + m * half;
+      const float* s = sin + m * half;
+      for (int64_t h = 0; h < cols; h += head_dim) {
+        float* a = y + m * N + h;
+        float* b = a + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          b[i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // x: (M, K) fp32/bf16, or (M, 2K) with swiglu; returns (M, N) in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                         const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& norm_weight,
-                        double eps, bool swiglu, int64_t dense_rows) {
+                        double eps, bool swiglu, int64_t dense_rows, const c10::optional<at::Tensor>& rope_cos,
+                        const c10::optional<at::Tensor>& rope_sin, int64_t rope_cols) {
   TORCH_CHECK(x_in.dim() == 2, "quant_linear: x must be 2-D");
   const bool int4 = qweight.scalar_type() == at::kByte;
   TORCH_CHECK(int4 || qweight.scalar_type() == at::kChar, "quant_linear: qweight must be uint8 (int4) or int8");
@@ -443,14 +467,23 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
   if (M == 0) {
     y = at::empty({0, N}, x.options());
   } else if (dense_rows > 0 && M >= dense_rows) {
-    // Many rows: dequantised weight tiles times the prepared input in the input's dtype.
-    at::Tensor h;
-    if (swiglu) {
-      h = at::silu(x.narrow(1, 0, K)) * x.narrow(1, K, K);
-    } else if (nwp) {
-      h = x * at::rsqrt(x.pow(2).mean(-1, true) + eps) * nw;
-    } else {
-      h = x;
+    // Many rows: dequantised weight tiles times the input in the input's dtype. The input is
+    // quantised to int8 blocks and back first, so the arithmetic is the int8 dot products' up
+    // to float rounding: a token's logits do not depend on how many rows its step has.
+    QuantizedRows a;
+    prepare_rows(x, K, nwp, eps, swiglu, a);
+    at::Tensor h = at::empty({M, K}, x.options());
+    {
+      float* hp = h.data_ptr<float>();
+      const int64_t nbp = a.nbp, nb = K / kBlock;
+      at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; ++m)
+          for (int64_t b = 0; b < nb; ++b) {
+            const float d = a.scale[m * nbp + b];
+            const int8_t* q = a.codes.data() + m * nbp * kBlock + b * kBlock;
+            for (int i = 0; i < kBlock; ++i) hp[m * K + b * kBlock + i] = d * static_cast<float>(q[i]);
+          }
+      });
     }
     h = h.to(out_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat).contiguous();
     y = at::empty({M, N}, h.options());
@@ -482,6 +515,14 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
   if (residual.has_value() && residual->defined()) {
     TORCH_CHECK(residual->size(0) == M && residual->size(1) == N, "quant_linear: residual must be (M, N)");
     y.add_(residual->to(at::kFloat));
+  }
+  if (rope_cols > 0 && M > 0) {
+    TORCH_CHECK(rope_cos.has_value() && rope_sin.has_value(), "quant_linear: rope_cols needs rope_cos and rope_sin");
+    const at::Tensor c = rope_cos->to(at::kFloat).reshape({M, -1}).contiguous();
+    const at::Tensor sn = rope_sin->to(at::kFloat).reshape({M, -1}).contiguous();
+    const int64_t head_dim = 2 * c.size(1);
+    TORCH_CHECK(rope_cols <= N && rope_cols % head_dim == 0, "quant_linear: rope_cols must be whole heads within N");
+    apply_rope(y.data_ptr<float>(), M, N, c.data_ptr<float>(), sn.data_ptr<float>(), rope_cols, head_dim);
   }
   return out_dtype == at::kFloat ? y : y.to(out_dtype);
 }
@@ -522,7 +563,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"), pybind11::arg("mins") = pybind11::none(),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("residual") = pybind11::none(),
         pybind11::arg("norm_weight") = pybind11::none(), pybind11::arg("eps") = 1e-6,
-        pybind11::arg("swiglu") = false, pybind11::arg("dense_rows") = 0);
+        pybind11::arg("swiglu") = false, pybind11::arg("dense_rows") = 0, pybind11::arg("rope_cos") = pybind11::none(),
+        pybind11::arg("rope_sin") = pybind11::none(), pybind11::arg("rope_cols") = 0);
   m.def("quant_dequantize", &quant_dequantize, "the weight as fp32 (N, K)", pybind11::arg("qweight"),
         pybind11::arg("scales"), pybind11::arg("mins") = pybind11::none());
   m.def("isa", &isa, "the instruction set the kernel was compiled for");
