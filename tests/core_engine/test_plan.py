@@ -233,3 +233,19 @@ def test_cli_cuda_without_a_gpu_names_device(capsys: pytest.CaptureFixture[str])
         pytest.skip("this machine has a CUDA GPU")
     code, _, err = _run_cli(["--model", str(MODEL), "--device", "cuda"], capsys)
     assert code == 2 and "argument --device" in err and "no CUDA GPU" in err
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_a_loaded_engines_weight_and_kv_memory_are_within_10_percent_of_the_plan(cpu_plan: Plan, kv_dtype: str) -> None:
+    from core_engine.config import EngineConfig
+    from core_engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_config(
+        EngineConfig(model_path=str(MODEL), num_threads=1, kv_cache_memory_bytes=32 * 2**20, kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
+    )
+    model, cache = engine.model_runner.model, engine.model_runner.kv_cache
+    kv_name = str(cache.dtype).removeprefix("torch.") if kv_dtype == "auto" else kv_dtype
+    row = cpu_plan.row(model.weight_format, kv_name)
+    assert row.weight_bytes == pytest.approx(model.resident_weight_bytes(), rel=0.10)
+    per_token = cache.nbytes / (cache.num_blocks * cache.block_size)
+    assert row.kv_bytes_per_token == pytest.approx(per_token, rel=0.10)
