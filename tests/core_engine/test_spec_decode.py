@@ -5,6 +5,9 @@ model as its own draft; distribution preservation runs a tiny random GGUF whose 
 own first layer (so proposals are often rejected and the residual path is exercised).
 """
 
+# Engines here pin weight_format="dense": speculative and plain decoding must agree token for
+# token, exact in fp32; the int4 default's 8-bit activations can flip near-ties between the two
+# attention paths (see docs/core-engine-model.md).
 from __future__ import annotations
 
 from pathlib import Path
@@ -67,7 +70,7 @@ def default_model_path() -> Path:
 
 @pytest.fixture(scope="module")
 def plain(default_model_path: Path) -> LLM:
-    return LLM(str(default_model_path), dtype="float32", num_threads=1, kv_cache_memory_bytes=2**26)
+    return LLM(str(default_model_path), dtype="float32", weight_format="dense", num_threads=1, kv_cache_memory_bytes=2**26)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,7 @@ def speculative(default_model_path: Path) -> LLM:
     return LLM(
         str(default_model_path),
         dtype="float32",
+        weight_format="dense",
         num_threads=1,
         kv_cache_memory_bytes=2**26,
         speculation=SpeculationConfig(
@@ -173,7 +177,7 @@ def test_a_stop_string_inside_an_accepted_proposal_ends_the_output_there(plain: 
 def test_abort_and_preemption_mid_speculation_leak_no_block(default_model_path: Path) -> None:
     # 12 blocks of 16 tokens for 4 requests of ~40 + 60 tokens: they preempt each other.
     llm = LLM(
-        str(default_model_path), dtype="float32", num_threads=1,
+        str(default_model_path), dtype="float32", weight_format="dense", num_threads=1,
         kv_cache_memory_bytes=12 * 16 * 30 * 2 * 64 * 3 * 4,  # 12 blocks: layers x K/V x heads x dims x fp32
         speculation=SpeculationConfig(methods=("ngram", "draft"), draft_model_path=str(default_model_path)),
         policies=EnginePolicies(speculation=FixedSpeculationPolicy(6, "ngram")),
@@ -227,7 +231,7 @@ def test_near_ties_are_the_only_divergence_in_bfloat16(default_model_path: Path)
     a greedy divergence is allowed only where the plain run's two top logprobs were within
     ``MARGIN`` nats of each other."""
     margin = 0.3
-    options = {"dtype": "bfloat16", "num_threads": 1, "kv_cache_memory_bytes": 2**26}
+    options = {"dtype": "bfloat16", "weight_format": "dense", "num_threads": 1, "kv_cache_memory_bytes": 2**26}
     plain = LLM(str(default_model_path), **options)
     spec = LLM(
         str(default_model_path), **options,
@@ -298,7 +302,7 @@ def _two_sample_p_value(a: list[int], b: list[int]) -> float:
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_sampled_tokens_keep_the_target_distribution(tiny_pair: tuple[Path, Path], method: str, top_p: float) -> None:
     target, draft = tiny_pair
-    options = {"dtype": "float32", "num_threads": 1, "kv_cache_memory_bytes": 2**24, "max_num_seqs": 256}
+    options = {"dtype": "float32", "weight_format": "dense", "num_threads": 1, "kv_cache_memory_bytes": 2**24, "max_num_seqs": 256}
     # A prompt that repeats itself, so n-gram lookup finds a continuation at every step.
     prompt = [5, 40, 77, 101, 9, 63, 5, 40, 77, 101, 9, 63, 5, 40, 77]
     params = SamplingParams(max_tokens=4, temperature=1.0, top_p=top_p, ignore_eos=True)
