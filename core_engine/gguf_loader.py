@@ -39,7 +39,7 @@ from core_engine.model.llamacpp_numerics import NUMERICS, LlamaCppModel, attach_
 from core_engine.model.quant import dequantize
 from core_engine.tokenizer import Tokenizer
 
-__all__ = ["GGUFBlockSource", "GGUFFile", "GGUFLoadError", "load_model", "preferred_dtype"]
+__all__ = ["GGUFBlockSource", "GGUFFile", "GGUFLoadError", "file_type_name", "load_model", "preferred_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,18 @@ def preferred_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+def file_type_name(value: object) -> str | None:
+    """``general.file_type`` as its name without ``MOSTLY_`` ("Q4_1", "F16"...), or None."""
+    if value is None:
+        return None
+    try:
+        from gguf import LlamaFileType
+
+        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_")  # type: ignore[call-overload]
+    except (ValueError, TypeError):
+        return str(value)
 
 
 class GGUFFile:
@@ -84,6 +96,11 @@ class GGUFFile:
     def metadata(self) -> dict[str, Any]:
         """All key/values, decoded to Python values (strings, numbers, lists)."""
         return {key: field.contents() for key, field in self._reader.fields.items()}
+
+    @property
+    def file_type(self) -> str | None:
+        """The file's weight type ("Q4_1", "F16"...; see :func:`file_type_name`)."""
+        return file_type_name(self.metadata.get("general.file_type"))
 
     @property
     def architecture(self) -> str:

@@ -122,19 +122,11 @@ def apply_quantization_policy(config: EngineConfig, policy: QuantizationPolicy) 
 
 def _file_type(model_path: str) -> str | None:
     try:
-        from core_engine.gguf_loader import read_metadata
+        from core_engine.gguf_loader import GGUFFile
 
-        value = read_metadata(model_path).get("general.file_type")
+        return GGUFFile(model_path).file_type
     except Exception:  # the load proper reports unreadable files
         return None
-    if value is None:
-        return None
-    try:
-        from gguf import LlamaFileType
-
-        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
-    except (ImportError, ValueError):
-        return str(value)
 
 
 def _describe_formats(formats: dict[str, str]) -> str:
@@ -158,7 +150,9 @@ def pack_weights(model: Any, config: EngineConfig, tokenizer: Tokenizer, *, budg
     which stay dense (see :mod:`core_engine.model.sensitivity`)."""
     from core_engine.model.formats import auto_weight_format
 
-    file_type = _file_type(config.model_path)
+    source = getattr(model, "block_source", None)
+    # The loaded file's metadata (reading the header again costs seconds on a busy machine).
+    file_type = source.gguf_file.file_type if source is not None else _file_type(config.model_path)
     layer_formats = dict(config.layer_weight_formats or {})
     why = ""
     if config.weight_format == "auto":
@@ -176,8 +170,7 @@ def pack_weights(model: Any, config: EngineConfig, tokenizer: Tokenizer, *, budg
         "matmul weights: %s%s%s; %.0f MiB read per step, %.0f MiB resident", weight_format, f" ({others})" if others else "",
         why, model.matmul_weight_bytes() / 2**20, model.resident_weight_bytes() / 2**20,
     )
-    source = getattr(model, "block_source", None)
-    if source is not None and getattr(source, "requantized", None):
+    if source is not None and source.requantized:
         logger.info("requantised from the file's own type: %s", "; ".join(source.requantized[:8]) +
                     (f" (+{len(source.requantized) - 8} more)" if len(source.requantized) > 8 else ""))
 

@@ -113,18 +113,6 @@ class _ModelFacts(msgspec.Struct, frozen=True):
     file_type: str | None
 
 
-def _file_type_name(value: object) -> str | None:
-    # The rule of core_engine.llm_engine._file_type, on metadata already read.
-    if value is None:
-        return None
-    try:
-        from gguf import LlamaFileType
-
-        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_")  # type: ignore[call-overload]
-    except (ImportError, ValueError, TypeError):
-        return str(value)
-
-
 @functools.lru_cache(maxsize=8)
 def _read_model(path: str, mtime_ns: int, size: int) -> _ModelFacts:
     """Config, parameter counts and file type (cached per file version: gguf's reader takes
@@ -153,7 +141,7 @@ def _read_model(path: str, mtime_ns: int, size: int) -> _ModelFacts:
         vector_params=vector,
         tied_embeddings=config.tie_word_embeddings,
     )
-    return _ModelFacts(config, weights, _file_type_name(gguf_file.metadata.get("general.file_type")))
+    return _ModelFacts(config, weights, gguf_file.file_type)
 
 
 def _kv_block_size() -> int:
