@@ -88,6 +88,11 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up: Linear = DenseLinear(self.gate_up_proj)
         self.down: Linear = DenseLinear(self.down_proj)
 
+    def dense_weights(self) -> dict[str, tuple[Tensor, Tensor | None]]:
+        """Product name -> (weight, bias) as loaded (None after packing)."""
+        return {"qkv": (self.qkv_proj, self.qkv_bias), "o": (self.o_proj, None),
+                "gate_up": (self.gate_up_proj, None), "down": (self.down_proj, None)}
+
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, layer_idx: int
     ) -> Tensor:
@@ -188,9 +193,7 @@ class LlamaModel(nn.Module):
         if self.weight_format != "dense" or self.layer_formats:
             raise ValueError(f"weights are already packed as {self.weight_format!r}")
         for i, layer in enumerate(self.layers):
-            dense = {"qkv": (layer.qkv_proj, layer.qkv_bias), "o": (layer.o_proj, None),
-                     "gate_up": (layer.gate_up_proj, None), "down": (layer.down_proj, None)}
-            for product, (weight, bias) in dense.items():
+            for product, (weight, bias) in layer.dense_weights().items():
                 name = f"layers.{i}.{product}"
                 setattr(layer, product, _pack(formats[name], name, weight, bias, source))
             layer.qkv_proj = layer.qkv_bias = layer.o_proj = layer.gate_up_proj = layer.down_proj = None

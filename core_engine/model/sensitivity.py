@@ -66,11 +66,7 @@ def _dense_weight(model: Any, name: str) -> tuple[Tensor, Tensor | None]:
     if name == "head":
         return model.lm_head, None
     _, idx, product = name.split(".")
-    layer = model.layers[int(idx)]
-    return {
-        "qkv": (layer.qkv_proj, layer.qkv_bias), "o": (layer.o_proj, None),
-        "gate_up": (layer.gate_up_proj, None), "down": (layer.down_proj, None),
-    }[product]
+    return model.layers[int(idx)].dense_weights()[product]
 
 
 def layer_sensitivity(model: Any, ids: Tensor, formats: dict[str, str]) -> dict[str, float]:
