@@ -63,7 +63,10 @@ class TierPolicies:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[LiveGateway, TierPolicies, HookRecorder]]:
-    common = {"dtype": "float32", "num_threads": 1, "kv_cache_memory_mb": POOL_MB}
+    # Dense fp32 weights: the test compares a host-tier read with the cold run token for token,
+    # and the int4 default's 8-bit activations can flip a near-tie between the two attention
+    # orders (docs/core-engine-model.md).
+    common = {"dtype": "float32", "weight_format": "dense", "num_threads": 1, "kv_cache_memory_mb": POOL_MB}
     config = gateway_config(
         BackendConfig(
             name="tiers", kind="core_engine",

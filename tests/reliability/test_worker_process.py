@@ -396,25 +396,30 @@ backends = ["llama", "echo"]
     assert proc.returncode == 0
 
 
-@pytest.mark.slow
-def test_a_weight_format_this_cpu_cannot_run_fails_start_up_instead_of_serving_503s(
-    live_gateway: Any,
-) -> None:
+def test_a_weight_format_this_cpu_cannot_run_is_refused_when_the_config_is_read(tmp_path: Path) -> None:
     # Seen on an AMX Xeon: dtype "auto" picked bf16 and weight_format "int8" refused it, yet
-    # /ready said 200 and every request got 503. It is a configuration error now (int8 runs
-    # with bf16 today; fbgemm's fp16 weights still need float32).
-    config = gateway_config(
-        BackendConfig(
-            name="core",
-            kind="core_engine",
-            options={"dtype": "bfloat16", "weight_format": "fp16", "num_threads": 2},
-        ),
-        models={"m": ["core"]},
+    # /ready said 200 and every request got 503. Every weight_format x dtype that cannot run
+    # is now a configuration error, before any model is loaded (int8/int4 run with bf16;
+    # fbgemm's fp16 weights still need float32).
+    config = tmp_path / "infermux.toml"
+    config.write_text(
+        """
+[[backends]]
+name = "core"
+kind = "core_engine"
+options = { dtype = "bfloat16", weight_format = "fp16" }
+
+[[models]]
+alias = "m"
+backends = ["core"]
+"""
     )
-    with live_gateway(config, allow_failed_backends=True) as gw:
-        ready = httpx.get(f"{gw}/ready")
-        assert ready.status_code == 503
-        body = ready.json()
-        assert body["status"] == "failed"
-        assert "weight_format" in body["error"] and "optional = true" in body["error"]
-        assert gw.state.startup_error == body["error"]
+    proc = _serve(config, _free_port())
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, output
+    assert "backends.core.options" in output
+    assert "weight_format='fp16'" in output and "dtype='bfloat16'" in output
+    assert "Traceback" not in output
