@@ -47,6 +47,10 @@ EMULATED_CPU = {"avx512f", "avx512dq", "avx2", "fma", "f16c"} <= cpu_flags()
 #: emulation is one more close arithmetic and is held to the exact-arithmetic oracle's bound
 #: (test_oracle.py: >= 96% top-1) and to 3/5 continuations.
 TOP1_TARGET = 0.98 if EMULATED_CPU else 0.96
+#: With AVX512-BF16 (Sapphire Rapids and later) ggml's BF16 dot products are vdpbf16ps, whose
+#: pairwise sums round otherwise than the emulated AVX512F loop: BF16 is then held to the
+#: tolerance of other kernels (42.9% of a tiny model's logits differ, max 0.018, 2026-12-02).
+NATIVE_BF16_DOT = "avx512_bf16" in cpu_flags()
 GREEDY_TARGET = 4 if EMULATED_CPU else 3
 
 
@@ -98,8 +102,8 @@ def _greedy(model: LlamaCppModel, ids: list[int], num_tokens: int) -> list[int]:
     return out
 
 
-def _assert_matches(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
-    if EMULATED_CPU:
+def _assert_matches(ours: np.ndarray, ref: np.ndarray, what: str, *, emulated: bool = EMULATED_CPU) -> None:
+    if emulated:
         diff = np.abs(ours - ref)
         assert np.array_equal(ours, ref), (
             f"{what}: {np.mean(diff > 0):.1%} of logits differ (max {diff.max():.3g}); on this CPU "
@@ -128,13 +132,14 @@ def test_tiny_logits_equal_llamacpp_bit_for_bit(tmp_path: Path, qtype: Q, spec: 
     assert isinstance(model, LlamaCppModel)
     llm = _llama(path)  # llama.cpp's defaults: F16 KV cache, flash attention off
     ids = tok.encode(TINY_TEXT)
-    _assert_matches(_logits(model, ids), _llama_logits(llm, ids), f"{qtype.name} prefill")
+    emulated = EMULATED_CPU and not (qtype == Q.BF16 and NATIVE_BF16_DOT)
+    _assert_matches(_logits(model, ids), _llama_logits(llm, ids), f"{qtype.name} prefill", emulated=emulated)
     # Decode steps run other kernels in llama.cpp (vec_dot instead of tinyBLAS).
     prompt = tok.encode("The quick brown fox")
     continuation = _llama_greedy(llm, prompt, 12)
     ours = _decode_logits(model, prompt, continuation)
     for step, (a, b) in enumerate(zip(ours, _llama_decode_logits(llm, prompt, continuation), strict=True)):
-        _assert_matches(a, b, f"{qtype.name} decode step {step}")
+        _assert_matches(a, b, f"{qtype.name} decode step {step}", emulated=emulated)
 
 
 def test_numerics_argument_is_validated(tmp_path: Path) -> None:

@@ -41,6 +41,10 @@ def write_config(path: Path, disk_dir: Path) -> Path:
                 'kind = "core_engine"',
                 "[backends.options]",
                 'dtype = "float32"',
+                # Dense fp32: outputs before and after the restart are compared token for
+                # token; the int4 default's 8-bit activations can flip a near-tie between a
+                # cold prefill and one over blocks read from disk (docs/core-engine-model.md).
+                'weight_format = "dense"',
                 "num_threads = 1",
                 "kv_cache_memory_mb = 64",
                 f'kv_disk_dir = "{disk_dir}"',
