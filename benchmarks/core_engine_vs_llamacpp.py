@@ -239,7 +239,10 @@ def main() -> None:
         key = f"{context}x{concurrency}"
         if key not in plans:
             plans[key] = plan_model(model_path, device="cpu", context=context, concurrency=concurrency)
-        return plans[key].row(engine_format, kv_name)
+        plan = plans[key]
+        # dtype float32 on a bf16 CPU: plan rows are per compute dtype; the weights set the roofline.
+        kv = kv_name if any(r.kv_dtype == kv_name for r in plan.rows) else plan.device.compute_dtype
+        return plan.row(engine_format, kv)
 
     def roofline(batch: int, weight_bytes: float) -> float:
         step = max(
