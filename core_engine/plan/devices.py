@@ -63,6 +63,10 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: (:func:`core_engine.plan.probe.measure_quantized_throughput`); it replaces the int8
     #: estimate for that format's decode.
     kernel_ops: dict[str, Figure] = {}
+    #: Bytes/s at which the engine's own int8/int4 kernel reads weights from memory at one
+    #: activation row (:func:`core_engine.plan.probe.measure_quantized_stream`); where
+    #: measured, it bounds that format's batch-1 decode instead of the read bandwidth.
+    kernel_stream: dict[str, Figure] = {}
     #: The CPU family the policy's kernels are tuned for (``formats.cpu_family``); None on GPUs.
     cpu_family: str | None = None
     #: bf16 matmuls in hardware (CPU: avx512_bf16/amx_bf16; else torch emulates them).

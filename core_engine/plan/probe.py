@@ -128,6 +128,43 @@ def measure_quantized_throughput(weight_format: str, *, rows: int, in_features: 
     return 2.0 * rows * in_features * out_features / best
 
 
+def measure_quantized_stream(weight_format: str, *, in_features: int, out_features: int, nbytes: int) -> float | None:
+    """Bytes/s of weights the engine's ``weight_format`` ("int8", "int4") kernel reads at one
+    activation row (a batch-1 decode), over ``nbytes`` of distinct random weights, so that
+    they come from memory rather than cache; best pass of a few. None where the kernel cannot
+    be built here."""
+    if weight_format not in ("int8", "int4"):
+        return None
+    try:
+        from core_engine.kernels.cpu import cpu_extension
+
+        kernel = cpu_extension("quant_linear").quant_linear
+    except Exception:  # no compiler, an unsupported CPU: the bandwidth bound stands
+        return None
+    gen = torch.Generator().manual_seed(0)
+    blocks = in_features // 32
+    code_bytes = in_features // 2 if weight_format == "int4" else in_features
+    row_bytes = code_bytes + blocks * 2 * (2 if weight_format == "int4" else 1)
+    copies = max(1, nbytes // (row_bytes * out_features))
+    weights = []
+    for _ in range(copies):
+        if weight_format == "int4":
+            codes = torch.randint(0, 256, (out_features, code_bytes), dtype=torch.uint8, generator=gen)
+            mins: torch.Tensor | None = (torch.randn(out_features, blocks, generator=gen) * 0.01).half()
+        else:
+            codes = torch.randint(-128, 128, (out_features, code_bytes), dtype=torch.int8, generator=gen)
+            mins = None
+        weights.append((codes, (torch.rand(out_features, blocks, generator=gen) * 0.01).half(), mins))
+    x = torch.randn(1, in_features, generator=gen)
+    best = float("inf")
+    for _ in range(4):
+        started = time.perf_counter()
+        for codes, scales, mins in weights:
+            kernel(x, codes, scales, mins)
+        best = min(best, time.perf_counter() - started)
+    return copies * row_bytes * out_features / best
+
+
 def available_memory() -> Figure:
     """This machine's available RAM (``MemAvailable`` of /proc/meminfo)."""
     try:
@@ -177,6 +214,7 @@ def cpu_spec(config: LlamaConfig, *, measure: bool = True, progress: Progress | 
     flops: dict[str, Figure] = {}
     int8_ops: Figure | None = None
     kernel_ops: dict[str, Figure] = {}
+    kernel_stream: dict[str, Figure] = {}
     if measure:
         nbytes = int(min(_CPU_BUFFER_BYTES, memory.value / 8)) // _MIB * _MIB
         say(f"measuring read bandwidth (sum over {nbytes // _MIB} MiB, {threads} threads)...")
@@ -199,6 +237,12 @@ def cpu_spec(config: LlamaConfig, *, measure: bool = True, progress: Progress | 
                 kernel_ops[fmt] = Figure(value=ops, source="measured",
                                          note=f"the engine's {fmt} kernel, 16 rows (decode batches), best call")
                 say(f"  {ops / 1e9:.1f} GOP/s")
+            say(f"measuring the engine's {fmt} kernel at one row over {nbytes // _MIB} MiB of weights...")
+            rate = measure_quantized_stream(fmt, in_features=shape[1], out_features=shape[2], nbytes=nbytes)
+            if rate is not None:
+                kernel_stream[fmt] = Figure(value=rate, source="measured",
+                                            note=f"the engine's {fmt} kernel, 1 row, {nbytes // _MIB} MiB of weights, best pass")
+                say(f"  {rate / 1e9:.1f} GB/s")
     simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
     return DeviceSpec(
         name="cpu",
@@ -212,6 +256,7 @@ def cpu_spec(config: LlamaConfig, *, measure: bool = True, progress: Progress | 
         flops=flops,
         int8_ops=int8_ops,
         kernel_ops=kernel_ops,
+        kernel_stream=kernel_stream,
         cpu_family=family,
         has_native_bf16=native_bf16,
         num_threads=threads,

@@ -58,6 +58,8 @@ def _device_lines(spec: DeviceSpec) -> list[str]:
         lines.append(_figure("int8", spec.int8_ops, "OP/s", show_note=not from_table))
     for fmt, figure in spec.kernel_ops.items():
         lines.append(_figure(f"{fmt} kernel", figure, "OP/s", show_note=True))
+    for fmt, figure in spec.kernel_stream.items():
+        lines.append(_figure(f"{fmt} stream", figure, "B/s", show_note=True))
     if spec.kind == "cuda":
         lines.append(_figure("fp8", spec.fp8_flops, "FLOP/s", show_note=False))
     lines.append(f"  {'compute dtype':<14}{spec.compute_dtype}; fp8 KV: {'yes' if spec.has_fp8_kv else 'no'}")

@@ -113,6 +113,10 @@ def test_decode_is_the_lesser_bound_and_says_which(cpu_plan: Plan, h100_plan: Pl
                                     (32, row.decode_tok_s_concurrency, row.bound_concurrency)):
                 kv_read = n * row.kv_bytes_per_token * 8192 / 2
                 memory = n * bandwidth.value / (row.weight_bytes_read_per_step + kv_read)
+                stream = plan.device.kernel_stream.get(row.weight_format)
+                if n == 1 and stream is not None:  # batch 1 on a CPU: the kernel's own read rate
+                    memory = 1 / (row.weight_bytes_read_per_step / min(bandwidth.value, stream.value)
+                                  + kv_read / bandwidth.value)
                 assert tok_s == pytest.approx(min(memory, compute))
                 assert bound == ("memory" if memory <= compute else "compute")
             assert row.decode_tok_s_concurrency >= row.decode_tok_s_batch1
@@ -133,6 +137,14 @@ def test_cpu_figures_are_measured_and_the_block_kernels_timed(cpu_plan: Plan) ->
     # The int8/int4 rows take the engine's own kernel, timed here, not the estimate.
     assert cpu_plan.row("int4", spec.compute_dtype).decode_ops_source == "measured"
     assert spec.kernel_ops["int4"].source == "measured" and spec.kernel_ops["int4"].value > 0
+    # ... and its read rate at one row over more weights than the caches hold: a fraction of
+    # the read bandwidth, which bounds batch-1 decode of those rows.
+    for fmt in ("int8", "int4"):
+        stream = spec.kernel_stream[fmt]
+        assert stream.source == "measured" and 0 < stream.value < 2 * spec.memory_bandwidth.value
+    assert cpu_plan.row("int4", spec.compute_dtype).decode_tok_s_batch1 <= (
+        spec.memory_bandwidth.value / cpu_plan.row("int4", spec.compute_dtype).weight_bytes_read_per_step
+    )
 
 
 def test_named_gpu_rows_use_the_datasheet_table(h100_plan: Plan) -> None:
