@@ -204,6 +204,13 @@ def test_portable_build_of_the_block_kernel_agrees_with_this_cpus_build() -> Non
             x = torch.randn(rows, 160, generator=gen)
             torch.testing.assert_close(portable.quant_linear(x, q, d, m), native.quant_linear(x, q, d, m), atol=1e-4, rtol=1e-5)
         assert torch.equal(portable.quant_dequantize(q, d, m), native.quant_dequantize(q, d, m))
+        # Prefill-sized inputs: weight tiles dequantised to the input's dtype (bf16 rounded to
+        # nearest even in both builds) through the same GEMM.
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(40, 160, generator=gen).to(dtype)
+            ours, theirs = native.quant_linear(x, q, d, m, dense_rows=32), portable.quant_linear(x, q, d, m, dense_rows=32)
+            assert ours.dtype == dtype
+            torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("qtype_name", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])

@@ -382,29 +382,70 @@ bool quantized_product(const QuantizedRows& a, int64_t M, int64_t K, int64_t N, 
 #endif
 }
 
-// Rows n0..n1 of the weight, dequantised to fp32: (n1 - n0, K).
-template <bool kInt4>
+#ifdef IMX_AVX2
+// 8 floats -> 8 bf16, rounded to nearest even (torch's conversion; the weights hold no NaN).
+inline __m128i to_bf16(__m256 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  return reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v));  // one instruction, the same rounding
+#else
+  __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+#endif
+}
+
+inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+inline void store8(at::BFloat16* o, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(o), to_bf16(v)); }
+#endif
+
+// Rows n0..n1 of the weight, dequantised: (n1 - n0, K) fp32 or bf16 (Out). The arithmetic is
+// d * q (+ m), a multiply then an add in fp32 in both the vector and the portable loops.
+template <bool kInt4, typename Out>
 void dequantize_rows(int64_t K, const uint8_t* qw, const uint16_t* d, const uint16_t* mins, int64_t n0,
-                     int64_t n1, float* out) {
+                     int64_t n1, Out* out) {
   const int64_t nb = K / kBlock;
   const int64_t row_bytes = kInt4 ? K / 2 : K;
   at::parallel_for(n0, n1, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      float* o = out + (n - n0) * K;
+      Out* o = out + (n - n0) * K;
       const uint8_t* p = qw + n * row_bytes;
       for (int64_t b = 0; b < nb; ++b) {
         const float dw = half_to_float(d[n * nb + b]);
+#ifdef IMX_AVX2
+        const __m256 dv = _mm256_set1_ps(dw);
+        if (kInt4) {
+          const __m256 mv = _mm256_set1_ps(half_to_float(mins[n * nb + b]));
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * 16));
+          const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+          const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+          const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+          for (int c = 0; c < 4; ++c) {
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c]));
+            store8(o + b * kBlock + 8 * c, _mm256_add_ps(_mm256_mul_ps(dv, q), mv));
+          }
+        } else {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * kBlock));
+          const __m128i halves[2] = {_mm256_castsi256_si128(raw), _mm256_extracti128_si256(raw, 1)};
+          for (int c = 0; c < 4; ++c) {
+            const __m128i part = c % 2 == 0 ? halves[c / 2] : _mm_srli_si128(halves[c / 2], 8);
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
+            store8(o + b * kBlock + 8 * c, _mm256_mul_ps(dv, q));
+          }
+        }
+#else
         if (kInt4) {
           const float mw = half_to_float(mins[n * nb + b]);
           const uint8_t* q = p + b * 16;
           for (int t = 0; t < 16; ++t) {
-            o[b * kBlock + t] = dw * static_cast<float>(q[t] & 0x0F) + mw;
-            o[b * kBlock + t + 16] = dw * static_cast<float>(q[t] >> 4) + mw;
+            o[b * kBlock + t] = static_cast<Out>(dw * static_cast<float>(q[t] & 0x0F) + mw);
+            o[b * kBlock + t + 16] = static_cast<Out>(dw * static_cast<float>(q[t] >> 4) + mw);
           }
         } else {
           const int8_t* q = reinterpret_cast<const int8_t*>(p) + b * kBlock;
-          for (int t = 0; t < kBlock; ++t) o[b * kBlock + t] = dw * static_cast<float>(q[t]);
+          for (int t = 0; t < kBlock; ++t) o[b * kBlock + t] = static_cast<Out>(dw * static_cast<float>(q[t]));
         }
+#endif
       }
     }
   });
@@ -500,20 +541,24 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
           }
       });
     }
-    h = h.to(out_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat).contiguous();
+    const bool bf16 = out_dtype == at::kBFloat16;
+    h = h.to(bf16 ? at::kBFloat16 : at::kFloat).contiguous();
     y = at::empty({M, N}, h.options());
+    // Tiles of weight rows dequantised straight to the GEMM's dtype (no fp32 copy for bf16).
     constexpr int64_t kTileRows = 512;
-    at::Tensor tile32 = at::empty({std::min<int64_t>(kTileRows, N), K}, x.options());
+    at::Tensor tile = at::empty({std::min<int64_t>(kTileRows, N), K}, h.options());
     for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
       const int64_t n1 = std::min(N, n0 + kTileRows);
-      at::Tensor wt = tile32.narrow(0, 0, n1 - n0);
-      if (int4) {
-        dequantize_rows<true>(K, qw, dp, mp, n0, n1, wt.data_ptr<float>());
+      at::Tensor wt = tile.narrow(0, 0, n1 - n0);
+      if (bf16) {
+        at::BFloat16* w = wt.data_ptr<at::BFloat16>();
+        int4 ? dequantize_rows<true>(K, qw, dp, mp, n0, n1, w) : dequantize_rows<false>(K, qw, dp, mp, n0, n1, w);
       } else {
-        dequantize_rows<false>(K, qw, dp, mp, n0, n1, wt.data_ptr<float>());
+        float* w = wt.data_ptr<float>();
+        int4 ? dequantize_rows<true>(K, qw, dp, mp, n0, n1, w) : dequantize_rows<false>(K, qw, dp, mp, n0, n1, w);
       }
       at::Tensor yt = y.narrow(1, n0, n1 - n0);
-      at::mm_out(yt, h, wt.to(h.scalar_type()).t());
+      at::mm_out(yt, h, wt.t());
     }
     y = y.to(at::kFloat);
   } else {
