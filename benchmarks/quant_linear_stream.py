@@ -18,25 +18,15 @@ from pathlib import Path
 import torch
 
 from core_engine.kernels.cpu import cpu_extension
-from core_engine.plan.probe import measure_bandwidth
+from core_engine.plan.probe import block_weight_bytes, measure_bandwidth, random_block_weight
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (K, N)
 
 
 def weights(fmt: str, copies: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], int]:
-    out, total = [], 0
     gen = torch.Generator().manual_seed(0)
-    for K, N in SHAPES * copies:
-        if fmt == "int4":
-            qw = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
-            mins: torch.Tensor | None = (torch.randn(N, K // 32, generator=gen) * 0.01).half()
-        else:
-            qw = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=gen)
-            mins = None
-        d = (torch.rand(N, K // 32, generator=gen) * 0.01).half()
-        out.append((qw, d, mins))
-        total += qw.numel() + d.numel() * 2 * (2 if mins is not None else 1)
-    return out, total
+    out = [random_block_weight(fmt, N, K, gen) for K, N in SHAPES * copies]
+    return out, sum(block_weight_bytes(w) for w in out)
 
 
 def main() -> None:

@@ -128,6 +128,26 @@ def measure_quantized_throughput(weight_format: str, *, rows: int, in_features: 
     return 2.0 * rows * in_features * out_features / best
 
 
+def random_block_weight(
+    weight_format: str, out_features: int, in_features: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Random codes, scales (and int4 minima) in the block kernel's layout (``"int8"`` or
+    ``"int4"``; see :mod:`core_engine.model.block_weights`), for timing the kernel."""
+    blocks = in_features // 32
+    if weight_format == "int4":
+        codes = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=generator)
+        mins: torch.Tensor | None = (torch.randn(out_features, blocks, generator=generator) * 0.01).half()
+    else:
+        codes = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+        mins = None
+    return codes, (torch.rand(out_features, blocks, generator=generator) * 0.01).half(), mins
+
+
+def block_weight_bytes(weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> int:
+    """Bytes the kernel reads for one :func:`random_block_weight`."""
+    return sum(t.numel() * t.element_size() for t in weight if t is not None)
+
+
 def measure_quantized_stream(weight_format: str, *, in_features: int, out_features: int, nbytes: int) -> float | None:
     """Bytes/s of weights the engine's ``weight_format`` ("int8", "int4") kernel reads at one
     activation row (a batch-1 decode), over ``nbytes`` of distinct random weights, so that
@@ -142,19 +162,9 @@ def measure_quantized_stream(weight_format: str, *, in_features: int, out_featur
     except Exception:  # no compiler, an unsupported CPU: the bandwidth bound stands
         return None
     gen = torch.Generator().manual_seed(0)
-    blocks = in_features // 32
-    code_bytes = in_features // 2 if weight_format == "int4" else in_features
-    row_bytes = code_bytes + blocks * 2 * (2 if weight_format == "int4" else 1)
-    copies = max(1, nbytes // (row_bytes * out_features))
-    weights = []
-    for _ in range(copies):
-        if weight_format == "int4":
-            codes = torch.randint(0, 256, (out_features, code_bytes), dtype=torch.uint8, generator=gen)
-            mins: torch.Tensor | None = (torch.randn(out_features, blocks, generator=gen) * 0.01).half()
-        else:
-            codes = torch.randint(-128, 128, (out_features, code_bytes), dtype=torch.int8, generator=gen)
-            mins = None
-        weights.append((codes, (torch.rand(out_features, blocks, generator=gen) * 0.01).half(), mins))
+    first = random_block_weight(weight_format, out_features, in_features, gen)
+    copies = max(1, nbytes // block_weight_bytes(first))
+    weights = [first, *(random_block_weight(weight_format, out_features, in_features, gen) for _ in range(copies - 1))]
     x = torch.randn(1, in_features, generator=gen)
     best = float("inf")
     for _ in range(4):
@@ -162,7 +172,7 @@ def measure_quantized_stream(weight_format: str, *, in_features: int, out_featur
         for codes, scales, mins in weights:
             kernel(x, codes, scales, mins)
         best = min(best, time.perf_counter() - started)
-    return copies * row_bytes * out_features / best
+    return copies * block_weight_bytes(first) / best
 
 
 def available_memory() -> Figure:

@@ -324,6 +324,16 @@ def _serve(config_path: Path, port: int) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+def _serve_until_it_exits(config_path: Path) -> tuple[int, str]:
+    """``infermux serve`` of a config it must refuse: its exit code and output."""
+    proc = _serve(config_path, _free_port())
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, output
+
+
 def _free_port() -> int:
     import socket
 
@@ -346,12 +356,8 @@ alias = "m"
 backends = ["llama"]
 """
     )
-    proc = _serve(config, _free_port())
-    try:
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 2, output
+    returncode, output = _serve_until_it_exits(config)
+    assert returncode == 2, output
     assert "cannot start as configured" in output
     assert "nope.gguf" in output and "optional = true" in output
 
@@ -414,12 +420,8 @@ alias = "m"
 backends = ["core"]
 """
     )
-    proc = _serve(config, _free_port())
-    try:
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode != 0, output
+    returncode, output = _serve_until_it_exits(config)
+    assert returncode != 0, output
     assert "backends.core.options" in output
     assert "weight_format='fp16'" in output and "dtype='bfloat16'" in output
     assert "Traceback" not in output

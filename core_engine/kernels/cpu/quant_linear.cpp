@@ -324,10 +324,7 @@ template <bool kInt4>
 bool quantized_product(const QuantizedRows& a, int64_t M, int64_t K, int64_t N, const uint8_t* qw,
                        const uint16_t* d, const uint16_t* mins, const Epilogue& e, float* y) {
 #ifdef IMX_AVX2
-  // Output columns split over the threads in pairs of weight rows; each pair is multiplied with
-  // the activation rows 4 at a time (a 4 x 2 register block), so its codes are read from memory
-  // once per call and unpacked from L1 for the next rows.
-  if (M <= 2) {  // decode: 4 weight rows at a time, more loads in flight
+  if (M <= 2) {  // decode: output columns split over the threads 4 weight rows at a time
     at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t p_begin, int64_t p_end) {
       for (int64_t p = p_begin; p < p_end; ++p) {
         const int64_t n = 4 * p;
@@ -343,6 +340,9 @@ bool quantized_product(const QuantizedRows& a, int64_t M, int64_t K, int64_t N, 
     });
     return true;
   }
+  // Output columns split over the threads in pairs of weight rows; each pair is multiplied with
+  // the activation rows 4 at a time (a 4 x 2 register block), so its codes are read from memory
+  // once per call and unpacked from L1 for the next rows.
   at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p_begin, int64_t p_end) {
     for (int64_t p = p_begin; p < p_end; ++p) {
       const int64_t n = 2 * p;
@@ -362,9 +362,9 @@ bool quantized_product(const QuantizedRows& a, int64_t M, int64_t K, int64_t N, 
   });
   return true;  // the epilogue is applied
 #else
-  // Portable loops. Output columns split over the threads; each thread unpacks two weight rows at a time into
-  // L1 and sweeps every activation row over them, so its slice of the weights is read from
-  // memory once per call.
+  // Portable loops. Output columns split over the threads; each thread unpacks two weight rows
+  // at a time into L1 and sweeps every activation row over them, so its slice of the weights is
+  // read from memory once per call.
   at::parallel_for(0, N, 16, [&](int64_t n_begin, int64_t n_end) {
     UnpackedRow r0, r1;
     int64_t n = n_begin;
@@ -577,9 +577,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight, const
       residual_f = residual->to(at::kFloat).contiguous();
       e.residual = residual_f.data_ptr<float>();
     }
-    const bool applied = int4 ? quantized_product<true>(a, M, K, N, qw, dp, mp, e, y.data_ptr<float>())
-                              : quantized_product<false>(a, M, K, N, qw, dp, mp, e, y.data_ptr<float>());
-    if (applied) added = true;
+    added = int4 ? quantized_product<true>(a, M, K, N, qw, dp, mp, e, y.data_ptr<float>())
+                 : quantized_product<false>(a, M, K, N, qw, dp, mp, e, y.data_ptr<float>());
   }
   if (!added) {
     if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
