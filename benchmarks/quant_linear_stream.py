@@ -18,15 +18,21 @@ from pathlib import Path
 import torch
 
 from core_engine.kernels.cpu import cpu_extension
-from core_engine.plan.probe import block_weight_bytes, measure_bandwidth, random_block_weight
+from core_engine.plan.probe import measure_bandwidth, random_block_weight
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]  # (K, N)
 
 
-def weights(fmt: str, copies: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], int]:
+def weights(fmt: str, copies: int) -> tuple[list[tuple[torch.Tensor, int, int]], int]:
+    """The step's weights packed for the kernel, as (packed, K, N), and the bytes it reads."""
     gen = torch.Generator().manual_seed(0)
-    out = [random_block_weight(fmt, N, K, gen) for K, N in SHAPES * copies]
-    return out, sum(block_weight_bytes(w) for w in out)
+    kernel = cpu_extension("quant_linear")
+    out, total = [], 0
+    for K, N in SHAPES * copies:
+        weight = random_block_weight(fmt, N, K, gen)
+        out.append((kernel.quant_pack(*weight), K, N))
+        total += out[-1][0].numel()
+    return out, total
 
 
 def main() -> None:
@@ -51,8 +57,8 @@ def main() -> None:
             best = float("inf")
             for _ in range(args.repeats):
                 started = time.perf_counter()
-                for qw, d, mins in ws:
-                    kernel.quant_linear(x[qw.shape[1] * (2 if fmt == "int4" else 1)], qw, d, mins)
+                for packed, K, N in ws:
+                    kernel.quant_linear(x[K], packed, N)
                 best = min(best, (time.perf_counter() - started) / args.copies)
             row = {"format": fmt, "rows": rows, "ms_per_step": best * 1e3, "gb_per_s": total / args.copies / best / 1e9,
                    "tok_per_s_products_only": rows / best, "fraction_of_bandwidth": total / args.copies / best / bandwidth}

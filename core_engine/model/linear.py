@@ -23,6 +23,8 @@ forms run the same ops one by one.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -38,14 +40,33 @@ __all__ = [
     "TopKRefinedLinear",
     "W4A16Linear",
     "block_linear",
+    "dense_rows_by_dtype",
     "make_linear",
     "resolve_weight_format",
 ]
 
-#: Input rows from which the block formats multiply dequantised weight tiles with the dense
-#: GEMM instead of the int8 dot products (the same products either way; measured crossover on
-#: AVX2 at 2 threads between 16 and 64 rows, see docs/benchmarks.md "Weight formats").
-DENSE_ROWS = 32
+
+@functools.cache
+def dense_rows_by_dtype() -> dict[torch.dtype, int]:
+    """Input rows from which the block formats multiply dequantised weight tiles with the dense
+    GEMM instead of the packed int8 dot products (the same products either way up to float
+    rounding), per compute dtype; 0: never. Crossovers measured over SmolLM2's product shapes
+    at 2 threads on a Xeon (docs/benchmarks.md "Block kernel, packed layout"): with AVX-512
+    VNNI the dot products win at every size in fp32 and up to ~128 rows in bf16 with AMX; an
+    AVX2 build (maddubs) loses from ~64 rows; the portable loops always lose.
+    """
+    from core_engine.cpu_features import cpu_flags
+    from core_engine.kernels.cpu import cpu_extension
+
+    return _dense_rows(cpu_extension("quant_linear").isa(), cpu_flags())
+
+
+def _dense_rows(isa: str, flags: frozenset[str]) -> dict[torch.dtype, int]:
+    if isa == "scalar":
+        return {torch.float32: 1, torch.bfloat16: 1}
+    if isa in ("avx2", "avx-vnni"):  # avx-vnni (ymm dpbusd) not measured: taken as AVX2
+        return {torch.float32: 64, torch.bfloat16: 64}
+    return {torch.float32: 0, torch.bfloat16: 128 if "amx_bf16" in flags else 0}
 
 
 class _Product:
@@ -130,49 +151,59 @@ class BlockQuantLinear(_Product):
     the arrays), multiplied by the compiled ``quant_linear`` CPU kernel, which also fuses the
     input's RMSNorm or SwiGLU, the bias and the residual add.
 
+    The arrays are regrouped once, here, into the kernel's packed layout (groups of 16 weight
+    rows, one record per block; ``quant_linear.cpp``) and only that is kept.
     ``weight_format``: ``"int4"`` (``mins`` given) or ``"int8"``. Inputs of ``dense_rows``
-    rows or more (prefill chunks) multiply dequantised weight tiles in the input's dtype.
+    rows or more (large prefill chunks) multiply dequantised weight tiles in the input's dtype;
+    ``None`` (the default) takes :func:`dense_rows_by_dtype`'s crossover for the input's dtype.
     """
 
-    __slots__ = ("_bias", "_kernel", "_mins", "_qweight", "_scales", "dense_rows", "nbytes", "weight_format")
+    __slots__ = ("_bias", "_by_dtype", "_kernel", "_out", "_packed", "dense_rows", "nbytes", "weight_format")
 
     def __init__(
         self, qweight: Tensor, scales: Tensor, mins: Tensor | None, bias: Tensor | None = None,
-        *, dense_rows: int = DENSE_ROWS,
+        *, dense_rows: int | None = None,
     ) -> None:
         from core_engine.kernels.cpu import cpu_extension
 
+        ext = cpu_extension("quant_linear")
         self.weight_format = "int4" if mins is not None else "int8"
-        self._qweight = qweight.contiguous()
-        self._scales = scales.to(torch.float16).contiguous()
-        self._mins = None if mins is None else mins.to(torch.float16).contiguous()
+        self._out = qweight.shape[0]
+        self._packed = ext.quant_pack(
+            qweight.contiguous(), scales.to(torch.float16).contiguous(),
+            None if mins is None else mins.to(torch.float16).contiguous(),
+        )
         self._bias = None if bias is None else bias.detach().float().contiguous()
-        self._kernel = cpu_extension("quant_linear").quant_linear
+        self._kernel = ext.quant_linear
+        self._by_dtype = dense_rows_by_dtype()
         self.dense_rows = dense_rows
-        self.nbytes = sum(t.numel() * t.element_size() for t in (self._qweight, self._scales, self._mins, self._bias) if t is not None)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self._packed, self._bias) if t is not None)
 
     @property
     def out_features(self) -> int:
-        return self._qweight.shape[0]
+        return self._out
+
+    def _rows(self, x: Tensor) -> int:
+        return self.dense_rows if self.dense_rows is not None else self._by_dtype.get(x.dtype, 0)
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (T, in) fp32/bf16 -> (T, out) in x's dtype."""
-        return self._kernel(x, self._qweight, self._scales, self._mins, self._bias, None, None, 1e-6, False, self.dense_rows)
+        return self._kernel(x, self._packed, self._out, self._bias, None, None, 1e-6, False, self._rows(x))
 
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
-        return self._kernel(x, self._qweight, self._scales, self._mins, self._bias, residual, None, 1e-6, False, self.dense_rows)
+        return self._kernel(x, self._packed, self._out, self._bias, residual, None, 1e-6, False, self._rows(x))
 
     def normed(self, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
-        return self._kernel(x, self._qweight, self._scales, self._mins, self._bias, None, norm_weight, eps, False, self.dense_rows)
+        return self._kernel(x, self._packed, self._out, self._bias, None, norm_weight, eps, False, self._rows(x))
 
     def swiglu_add_to(self, residual: Tensor, gate_up: Tensor) -> Tensor:
-        return self._kernel(gate_up, self._qweight, self._scales, self._mins, self._bias, residual, None, 1e-6, True, self.dense_rows)
+        return self._kernel(gate_up, self._packed, self._out, self._bias, residual, None, 1e-6, True, self._rows(gate_up))
 
     def normed_rope(
         self, x: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor, rotated_heads: int, head_dim: int
     ) -> Tensor:
         out = self._kernel(
-            x, self._qweight, self._scales, self._mins, self._bias, None, norm_weight, eps, False, self.dense_rows,
+            x, self._packed, self._out, self._bias, None, norm_weight, eps, False, self._rows(x),
             cos, sin, rotated_heads * head_dim,
         )
         return out.view(out.shape[0], -1, head_dim)
@@ -181,7 +212,7 @@ class BlockQuantLinear(_Product):
         """The weight as fp32 (out, in): what the kernel multiplies (tests, sensitivity)."""
         from core_engine.kernels.cpu import cpu_extension
 
-        return cpu_extension("quant_linear").quant_dequantize(self._qweight, self._scales, self._mins)
+        return cpu_extension("quant_linear").packed_dequantize(self._packed, self._out)
 
 
 class W4A16Linear(_Product):

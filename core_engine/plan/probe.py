@@ -158,19 +158,21 @@ def measure_quantized_stream(weight_format: str, *, in_features: int, out_featur
     try:
         from core_engine.kernels.cpu import cpu_extension
 
-        kernel = cpu_extension("quant_linear").quant_linear
+        ext = cpu_extension("quant_linear")
     except Exception:  # no compiler, an unsupported CPU: the bandwidth bound stands
         return None
     gen = torch.Generator().manual_seed(0)
     first = random_block_weight(weight_format, out_features, in_features, gen)
     copies = max(1, nbytes // block_weight_bytes(first))
     weights = [first, *(random_block_weight(weight_format, out_features, in_features, gen) for _ in range(copies - 1))]
+    packed = [ext.quant_pack(*weight) for weight in weights]
+    del weights
     x = torch.randn(1, in_features, generator=gen)
     best = float("inf")
     for _ in range(4):
         started = time.perf_counter()
-        for codes, scales, mins in weights:
-            kernel(x, codes, scales, mins)
+        for weight in packed:
+            ext.quant_linear(x, weight, out_features)
         best = min(best, time.perf_counter() - started)
     return copies * block_weight_bytes(first) / best
 

@@ -200,15 +200,20 @@ def test_portable_build_of_the_block_kernel_agrees_with_this_cpus_build() -> Non
     gen = torch.Generator().manual_seed(5)
     for weight_format in ("int4", "int8"):
         q, d, m = quantize_dense(torch.randn(45, 160, generator=gen), weight_format)
-        for rows in (1, 3, 9):
+        packed = native.quant_pack(q, d, m)
+        assert torch.equal(portable.quant_pack(q, d, m), packed)
+        for rows in (1, 3, 9, 20):
             x = torch.randn(rows, 160, generator=gen)
-            torch.testing.assert_close(portable.quant_linear(x, q, d, m), native.quant_linear(x, q, d, m), atol=1e-4, rtol=1e-5)
+            # Every build sums each output in the same order: the same floats.
+            assert torch.equal(portable.quant_linear(x, packed, 45), native.quant_linear(x, packed, 45))
         assert torch.equal(portable.quant_dequantize(q, d, m), native.quant_dequantize(q, d, m))
+        assert torch.equal(native.packed_dequantize(packed, 45), native.quant_dequantize(q, d, m))
         # Prefill-sized inputs: weight tiles dequantised to the input's dtype (bf16 rounded to
         # nearest even in both builds) through the same GEMM.
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(40, 160, generator=gen).to(dtype)
-            ours, theirs = native.quant_linear(x, q, d, m, dense_rows=32), portable.quant_linear(x, q, d, m, dense_rows=32)
+            ours = native.quant_linear(x, packed, 45, dense_rows=32)
+            theirs = portable.quant_linear(x, packed, 45, dense_rows=32)
             assert ours.dtype == dtype
             torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-4, rtol=1e-5)
 
