@@ -17,7 +17,8 @@ this machine: decode is bounded by weight bytes / measured memory bandwidth, pre
 FLOPs / measured matmul FLOP/s in the engine's dtype, a batch of N by the larger of the two;
 and as a fraction of the roofline ``infermux plan`` computes for the engine's weight format
 and KV dtype (its own measurements of this machine, the block kernels timed). Then the
-accuracy of the engine's format and of llama.cpp against the exact model (mean KL, top-1),
+accuracy against the exact model (mean KL, top-1) of the engine's format, of each explicit
+weight format in the engine's dtype, and of llama.cpp,
 and where a decode step's time goes (cProfile, batch 1 and 16).
 
     .venv/bin/python benchmarks/core_engine_vs_llamacpp.py            # the full run
@@ -392,7 +393,7 @@ def measure_accuracy(engine: LLMEngine, model_path: Path, llama: Any, corpus: li
         with torch.inference_mode():
             return model(torch.tensor(ids), torch.arange(len(ids)), ContiguousAttention(model.config.num_layers)).float()
 
-    exact = logits(exact_model).log_softmax(-1)
+    exact = logits(exact_model).float().log_softmax(-1)
     del exact_model
 
     def compare(other: torch.Tensor) -> dict[str, float]:
@@ -402,7 +403,22 @@ def measure_accuracy(engine: LLMEngine, model_path: Path, llama: Any, corpus: li
             "top1": float((exact.argmax(-1) == lp.argmax(-1)).float().mean()),
         }
 
-    out = {"positions": len(ids), "engine": compare(logits(engine.model_runner.model))}
+    out: dict[str, Any] = {"positions": len(ids), "engine": compare(logits(engine.model_runner.model))}
+    # Each explicit format this CPU runs in the engine's compute dtype, the file's blocks as
+    # the engine takes them.
+    from core_engine.model.linear import check_weight_format
+
+    dtype = engine.model_runner.model.dtype
+    out["formats"] = {}
+    for fmt in ("dense", "fp16", "int8", "int4"):
+        try:
+            check_weight_format(fmt, dtype=dtype, device="cpu")
+        except ValueError:
+            continue
+        model, _, _ = load_model(model_path, dtype=dtype, show_progress=False)
+        model.set_weight_format(fmt)
+        out["formats"][f"{fmt} ({str(dtype).removeprefix('torch.')})"] = compare(logits(model))
+        del model
     if llama is not None:
         import llama_cpp
         import numpy as np
@@ -533,6 +549,8 @@ def report(
         if "llamacpp" in acc:
             line += f"; llama.cpp KL {acc['llamacpp']['kl']:.5f}, top-1 {acc['llamacpp']['top1']:.3f}"
         print(line)
+        for fmt, figures in acc.get("formats", {}).items():
+            print(f"  format {fmt:<18} KL {figures['kl']:.5f}, top-1 {figures['top1']:.3f}")
     for batch, prof in (extra.get("profile") or {}).items():
         parts = ", ".join(f"{k} {v:.2f}" for k, v in prof["ms_per_step"].items())
         print(f"profile {batch}: {prof['ms_per_step_wall']:.2f} ms/step wall ({prof['ms_per_step_profiled']:.2f} under cProfile): {parts}")

@@ -190,30 +190,42 @@ def test_block_kernel_fuses_norm_swiglu_bias_and_residual_and_takes_bf16() -> No
     torch.testing.assert_close(out.float(), _reference_block_product(x.bfloat16().float(), exact).float(), atol=0.05, rtol=0.02)
 
 
-def test_portable_build_of_the_block_kernel_agrees_with_this_cpus_build() -> None:
-    # The native build takes this CPU's vector path (AVX2/VNNI); an -march=x86-64 build runs
-    # the portable loops a CPU without AVX2 gets.
+#: Builds of the kernel this CPU can run besides its own: the portable loops (no AVX2), the
+#: AVX2 path (maddubs) and, where the CPU has AVX-VNNI and Alder Lake's other extensions, the
+#: ymm dpbusd path. (march, isa it takes, CPU flags it needs.)
+_OTHER_BUILDS = (
+    ("x86-64", "scalar", frozenset()),
+    ("haswell", "avx2", frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"})),
+    ("alderlake", "avx-vnni", frozenset({"avx2", "avx_vnni", "gfni", "vaes", "vpclmulqdq", "sha_ni", "movdiri", "serialize"})),
+)
+
+
+@pytest.mark.parametrize(("march", "isa", "needs"), _OTHER_BUILDS, ids=[b[0] for b in _OTHER_BUILDS])
+def test_every_build_of_the_block_kernel_gives_this_cpus_floats(march: str, isa: str, needs: frozenset[str]) -> None:
+    from core_engine.cpu_features import cpu_flags
     from core_engine.model.block_weights import quantize_dense
 
-    native, portable = _kernel(), _kernel("x86-64")
-    assert portable.isa() == "scalar" and native.isa() != "" 
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU cannot run an -march={march} build (lacks {sorted(needs - cpu_flags())})")
+    native, other = _kernel(), _kernel(march)
+    assert other.isa() == isa
     gen = torch.Generator().manual_seed(5)
     for weight_format in ("int4", "int8"):
         q, d, m = quantize_dense(torch.randn(45, 160, generator=gen), weight_format)
         packed = native.quant_pack(q, d, m)
-        assert torch.equal(portable.quant_pack(q, d, m), packed)
+        assert torch.equal(other.quant_pack(q, d, m), packed)
         for rows in (1, 3, 9, 20):
             x = torch.randn(rows, 160, generator=gen)
             # Every build sums each output in the same order: the same floats.
-            assert torch.equal(portable.quant_linear(x, packed, 45), native.quant_linear(x, packed, 45))
-        assert torch.equal(portable.quant_dequantize(q, d, m), native.quant_dequantize(q, d, m))
-        assert torch.equal(native.packed_dequantize(packed, 45), native.quant_dequantize(q, d, m))
+            assert torch.equal(other.quant_linear(x, packed, 45), native.quant_linear(x, packed, 45))
+        assert torch.equal(other.quant_dequantize(q, d, m), native.quant_dequantize(q, d, m))
+        assert torch.equal(other.packed_dequantize(packed, 45), native.quant_dequantize(q, d, m))
         # Prefill-sized inputs: weight tiles dequantised to the input's dtype (bf16 rounded to
-        # nearest even in both builds) through the same GEMM.
+        # nearest even in every build) through the same GEMM.
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(40, 160, generator=gen).to(dtype)
             ours = native.quant_linear(x, packed, 45, dense_rows=32)
-            theirs = portable.quant_linear(x, packed, 45, dense_rows=32)
+            theirs = other.quant_linear(x, packed, 45, dense_rows=32)
             assert ours.dtype == dtype
             torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-4, rtol=1e-5)
 

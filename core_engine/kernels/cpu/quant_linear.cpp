@@ -10,23 +10,25 @@
 // Each activation row is cut into blocks of 32, each with its own scale dx = max|x| / 127 and
 // codes qx = round(x / dx) (as llama.cpp's Q8_1 activations), so
 //     y[m, n] = sum_b d[n, b] dx[m, b] <q_w, q_x>_b  +  sum_b m[n, b] dx[m, b] sum(q_x)_b.
-// The <q_w, q_x> dot of 32 codes is one AVX2 maddubs + madd (u8 x s8 -> s16 pairs -> s32),
-// or one VNNI dpbusd on CPUs that have it (AVX512-VNNI with VL, or AVX-VNNI), chosen at
-// compile time by -march=native (the library is cached per CPU; see __init__.py).
+// The weights are regrouped once at load (quant_pack; the layout is described below): 16
+// weight rows side by side, so a vector instruction multiplies 4 codes of each of 16 rows by 4
+// activation codes broadcast: VNNI dpbusd on zmm (AVX512-VNNI) or ymm (AVX-VNNI), or AVX2
+// maddubs + madd (u8 x s8 -> s16 pairs -> s32), chosen at compile time by -march=native (the
+// library is cached per CPU; see __init__.py).
 //
 // Fused around the product, so a decoder layer makes fewer calls: an RMSNorm of the input
 // rows (``norm_weight``), SwiGLU of a (M, 2K) gate|up input (``swiglu``), a bias, a residual
 // added in the output pass, and RoPE on the first ``rope_cols`` outputs (the q and k heads of
 // a fused QKV projection).
 //
-// Below ``dense_rows`` rows the products are register blocks of activation x weight rows
-// (few_rows_times: 1 x 4 and 2 x 4 for decode, 4 x 2 beyond); the portable build unpacks two
-// weight rows into L1 and sweeps every activation row over them.
+// Below ``dense_rows`` rows (0: always) the products are register blocks of up to 8 (zmm) or 4
+// (ymm) activation rows times a group of 16 weight rows; the portable build runs the same
+// arithmetic in plain loops.
 //
-// Inputs of ``dense_rows`` rows or more (prefill chunks) dequantise the weights in tiles of rows
-// to the activation dtype and multiply them with at::mm (MKL/oneDNN: AMX bf16 on CPUs that
-// have it), which beats the int8 dot products once a tile is reused by many rows; the input
-// is quantised to the same int8 blocks first, so both paths compute the same products.
+// Inputs of ``dense_rows`` rows or more (large prefill chunks) dequantise the weights in tiles
+// of rows to the activation dtype and multiply them with at::mm (MKL/oneDNN: AMX bf16 on CPUs
+// that have it), where that measures faster; the input is quantised to the same int8 blocks
+// first, so both paths compute the same products up to float rounding.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
