@@ -67,6 +67,14 @@ class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: activation row (:func:`core_engine.plan.probe.measure_quantized_stream`); where
     #: measured, it bounds that format's batch-1 decode instead of the read bandwidth.
     kernel_stream: dict[str, Figure] = {}
+    #: CPU: whether the int8/int4 kernels multiply prompt chunks with dequantised weight tiles
+    #: through the compute dtype's GEMM (``linear.dense_rows_by_dtype``); if not, prefill runs
+    #: the int8 dot products at ``kernel_ops``.
+    tile_prefill: bool = True
+    #: CPU: seconds of the fixed cost of one kernel call from Python
+    #: (:func:`core_engine.plan.probe.measure_call_overhead`); a decode step makes
+    #: :data:`core_engine.plan.estimate.CALLS_PER_LAYER` per layer, which small models feel.
+    call_overhead_s: Figure | None = None
     #: The CPU family the policy's kernels are tuned for (``formats.cpu_family``); None on GPUs.
     cpu_family: str | None = None
     #: bf16 matmuls in hardware (CPU: avx512_bf16/amx_bf16; else torch emulates them).

@@ -157,9 +157,24 @@ def _decode_rate(spec: DeviceSpec, weight_format: str) -> Figure | None:
     return spec.flops.get(row_dtype(spec, weight_format))
 
 
+#: Kernel calls a decode step makes per decoder layer (the fused qkv + RoPE, attention, o +
+#: residual, gate_up, SwiGLU + down + residual); plus one for the head.
+CALLS_PER_LAYER = 5
+
+
+def step_overhead_s(spec: DeviceSpec, config: LlamaConfig) -> float:
+    """Seconds a decode step spends in the fixed cost of its kernel calls (0 where unmeasured)."""
+    if spec.call_overhead_s is None:
+        return 0.0
+    return (CALLS_PER_LAYER * config.num_layers + 1) * spec.call_overhead_s.value
+
+
 def _prefill_rate(spec: DeviceSpec, weight_format: str) -> Figure | None:
-    """Matmul FLOP/s of prefill: the compute dtype's (the CPU int8/int4 kernels dequantise
-    tiles of weights and multiply them with ``at::mm`` for prompt chunks)."""
+    """Matmul FLOP/s of prefill: the compute dtype's, where the CPU int8/int4 kernels multiply
+    prompt chunks with dequantised weight tiles through ``at::mm``; else (``tile_prefill``
+    false) the int8 dot products' rate."""
+    if spec.kind == "cpu" and weight_format in ("int8", "int4") and not spec.tile_prefill:
+        return spec.kernel_ops.get(weight_format, spec.int8_ops)
     return spec.flops.get(row_dtype(spec, weight_format))
 
 
@@ -216,6 +231,12 @@ def estimate_row(
     compute_bound = None if decode_rate is None else decode_rate.value / (2 * weights.matmul_params)
     batch1, bound1 = _lesser(memory_bound(1), compute_bound)
     batched, bound_n = _lesser(memory_bound(concurrency), compute_bound)
+    # Plus the fixed cost of the step's kernel calls, where measured (CPU).
+    overhead = step_overhead_s(spec, config)
+    if overhead and batch1:
+        batch1 = 1.0 / (1.0 / batch1 + overhead)
+    if overhead and batched:
+        batched = concurrency / (concurrency / batched + overhead)
     prefill = None
     if prefill_rate is not None:
         prefill = prefill_rate.value / _prefill_flops_per_token(config, weights, context)

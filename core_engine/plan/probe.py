@@ -34,6 +34,7 @@ __all__ = [
     "gemm_shape",
     "measure_bandwidth",
     "measure_matmul_flops",
+    "measure_call_overhead",
     "measure_quantized_throughput",
     "NoCudaError",
 ]
@@ -126,6 +127,28 @@ def measure_quantized_throughput(weight_format: str, *, rows: int, in_features: 
         lin(x)
         best = min(best, time.perf_counter() - started)
     return 2.0 * rows * in_features * out_features / best
+
+
+def measure_call_overhead() -> float | None:
+    """Seconds of the fixed cost of one call of the engine's block kernel from Python (the
+    binding, the activation quantisation set-up, the output, the threads' fork and join),
+    timed on a 1 x 32 @ 32 x 16 product whose arithmetic is negligible; median of 200 calls.
+    None where the kernel cannot be built here."""
+    try:
+        from core_engine.kernels.cpu import cpu_extension
+
+        ext = cpu_extension("quant_linear")
+    except Exception:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    packed = ext.quant_pack(*random_block_weight("int4", 16, 32, gen))
+    x = torch.randn(1, 32, generator=gen)
+    times = []
+    for _ in range(200):
+        started = time.perf_counter()
+        ext.quant_linear(x, packed, 16)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
 
 
 def random_block_weight(
@@ -227,6 +250,7 @@ def cpu_spec(config: LlamaConfig, *, measure: bool = True, progress: Progress | 
     int8_ops: Figure | None = None
     kernel_ops: dict[str, Figure] = {}
     kernel_stream: dict[str, Figure] = {}
+    call_overhead: Figure | None = None
     if measure:
         nbytes = int(min(_CPU_BUFFER_BYTES, memory.value / 8)) // _MIB * _MIB
         say(f"measuring read bandwidth (sum over {nbytes // _MIB} MiB, {threads} threads)...")
@@ -255,6 +279,19 @@ def cpu_spec(config: LlamaConfig, *, measure: bool = True, progress: Progress | 
                 kernel_stream[fmt] = Figure(value=rate, source="measured",
                                             note=f"the engine's {fmt} kernel, 1 row, {nbytes // _MIB} MiB of weights, best pass")
                 say(f"  {rate / 1e9:.1f} GB/s")
+    if measure:
+        say("measuring the fixed cost of one kernel call...")
+        seconds = measure_call_overhead()
+        if seconds is not None:
+            call_overhead = Figure(value=seconds, source="measured",
+                                   note="one block-kernel call on a 1 x 32 @ 32 x 16 product, median of 200")
+            say(f"  {seconds * 1e6:.1f} us")
+    try:
+        from core_engine.model.linear import dense_rows_by_dtype
+
+        tile_prefill = dense_rows_by_dtype().get(compute, 0) > 0
+    except Exception:  # no compiler: the kernel cannot run here, the table default stands
+        tile_prefill = True
     simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
     return DeviceSpec(
         name="cpu",
@@ -269,6 +306,8 @@ def cpu_spec(config: LlamaConfig, *, measure: bool = True, progress: Progress | 
         int8_ops=int8_ops,
         kernel_ops=kernel_ops,
         kernel_stream=kernel_stream,
+        tile_prefill=tile_prefill,
+        call_overhead_s=call_overhead,
         cpu_family=family,
         has_native_bf16=native_bf16,
         num_threads=threads,

@@ -60,6 +60,9 @@ def _device_lines(spec: DeviceSpec) -> list[str]:
         lines.append(_figure(f"{fmt} kernel", figure, "OP/s", show_note=True))
     for fmt, figure in spec.kernel_stream.items():
         lines.append(_figure(f"{fmt} stream", figure, "B/s", show_note=True))
+    if spec.call_overhead_s is not None:
+        c = spec.call_overhead_s
+        lines.append(f"  {'kernel call':<14}{f'{c.value * 1e6:.1f} us':<16}{c.source}: {c.note}")
     if spec.kind == "cuda":
         lines.append(_figure("fp8", spec.fp8_flops, "FLOP/s", show_note=False))
     lines.append(f"  {'compute dtype':<14}{spec.compute_dtype}; fp8 KV: {'yes' if spec.has_fp8_kv else 'no'}")
