@@ -132,7 +132,8 @@ def measure_quantized_throughput(weight_format: str, *, rows: int, in_features: 
 def measure_call_overhead() -> float | None:
     """Seconds of the fixed cost of one call of the engine's block kernel from Python (the
     binding, the activation quantisation set-up, the output, the threads' fork and join),
-    timed on a 1 x 32 @ 32 x 16 product whose arithmetic is negligible; median of 200 calls.
+    timed on a 1 x 32 @ 32 x 64 product (4 groups of 16 rows, so every thread takes part) whose
+    arithmetic is negligible; median of 200 calls.
     None where the kernel cannot be built here."""
     try:
         from core_engine.kernels.cpu import cpu_extension
@@ -141,12 +142,12 @@ def measure_call_overhead() -> float | None:
     except Exception:
         return None
     gen = torch.Generator().manual_seed(0)
-    packed = ext.quant_pack(*random_block_weight("int4", 16, 32, gen))
+    packed = ext.quant_pack(*random_block_weight("int4", 64, 32, gen))
     x = torch.randn(1, 32, generator=gen)
     times = []
     for _ in range(200):
         started = time.perf_counter()
-        ext.quant_linear(x, packed, 16)
+        ext.quant_linear(x, packed, 64)
         times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2]
 
@@ -284,7 +285,7 @@ def cpu_spec(config: LlamaConfig, *, measure: bool = True, progress: Progress | 
         seconds = measure_call_overhead()
         if seconds is not None:
             call_overhead = Figure(value=seconds, source="measured",
-                                   note="one block-kernel call on a 1 x 32 @ 32 x 16 product, median of 200")
+                                   note="one block-kernel call on a 1 x 32 @ 32 x 64 product, median of 200")
             say(f"  {seconds * 1e6:.1f} us")
     try:
         from core_engine.model.linear import dense_rows_by_dtype
