@@ -1,9 +1,10 @@
 """Load a Llama-architecture GGUF file into a :class:`~core_engine.model.llama.LlamaModel`.
 
-Weights of every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_1) are dequantised once at
-load into the compute dtype (bf16 on CPUs with native bf16 and on CUDA, fp32 otherwise): on CPU
-the dense bf16/fp32 matmuls beat torch's int4/int8 weight-only kernels by 2-4x (see
-``docs/core-engine-model.md``), at the price of 2-4x the memory of the quantised file.
+Weights of every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K;
+:mod:`core_engine.model.quant`) are dequantised once at load into the compute dtype (bf16 on
+CPUs with native bf16 and on CUDA, fp32 otherwise); the engine then stores each product in its
+weight format (:meth:`LlamaModel.set_weight_format`: Q4_0/Q4_1/Q4_K and Q8_0 blocks as stored,
+other types requantised from their values).
 
 llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that its "normal" RoPE can
 rotate adjacent pairs ``(2i, 2i+1)``. The loader undoes that permutation, which moves pair
