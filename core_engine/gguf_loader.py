@@ -1,12 +1,14 @@
-"""Load a Llama-architecture GGUF file into a :class:`~core_engine.model.llama.LlamaModel`.
+"""Load a GGUF file of a Llama-family architecture (``llama``, ``qwen2``, ``qwen3``;
+:mod:`core_engine.model.architectures`) into a :class:`~core_engine.model.llama.LlamaModel`.
 
-Weights of every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_1) are dequantised once at
-load into the compute dtype (bf16 on CPUs with native bf16 and on CUDA, fp32 otherwise): on CPU
-the dense bf16/fp32 matmuls beat torch's int4/int8 weight-only kernels by 2-4x (see
-``docs/core-engine-model.md``), at the price of 2-4x the memory of the quantised file.
+Weights of every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K;
+:mod:`core_engine.model.quant`) are dequantised once at load into the compute dtype (bf16 on
+CPUs with native bf16 and on CUDA, fp32 otherwise); the engine then stores each product in its
+weight format (:meth:`LlamaModel.set_weight_format`: Q4_0/Q4_1/Q4_K and Q8_0 blocks as stored,
+other types requantised from their values).
 
-llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that its "normal" RoPE can
-rotate adjacent pairs ``(2i, 2i+1)``. The loader undoes that permutation, which moves pair
+For ``llama`` files, llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that
+its "normal" RoPE can rotate adjacent pairs ``(2i, 2i+1)``. The loader undoes that permutation, which moves pair
 members to ``(i, i + head_dim/2)`` — the rotate-half layout the model uses. q and k get the same
 permutation, so attention scores are unchanged.
 """
@@ -26,6 +28,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from core_engine.cpu_features import cpu_flags
+from core_engine.model.architectures import Architecture, architecture, architectures
 from core_engine.model.block_weights import (
     BlockWeight,
     concat_rows,
@@ -43,7 +46,7 @@ __all__ = ["GGUFBlockSource", "GGUFFile", "GGUFLoadError", "file_type_name", "lo
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+SUPPORTED_ARCHITECTURES = frozenset(architectures())
 
 
 class GGUFLoadError(ValueError):
@@ -141,14 +144,20 @@ class GGUFFile:
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists ne0 first
         return dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type), shape, name=name)
 
-    def llama_config(self) -> LlamaConfig:
-        """Hyper-parameters for :class:`LlamaModel`, validated against what the engine supports."""
-        arch = self.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
+    @property
+    def arch_spec(self) -> Architecture:
+        """The file's :class:`Architecture`; GGUFLoadError naming it if the engine has none."""
+        spec = architecture(self.architecture)
+        if spec is None:
             raise GGUFLoadError(
-                f"{self.path}: architecture {arch!r} is not supported "
+                f"{self.path}: architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
             )
+        return spec
+
+    def llama_config(self) -> LlamaConfig:
+        """Hyper-parameters for :class:`LlamaModel`, validated against what the engine supports."""
+        arch = self.arch_spec.name
         hidden = int(self._arch_key("embedding_length", required=True))
         num_heads = int(self._arch_key("attention.head_count", required=True))
         num_kv_heads = int(self._arch_key("attention.head_count_kv", num_heads))
@@ -176,6 +185,7 @@ class GGUFFile:
             rope_theta=float(self._arch_key("rope.freq_base", 10000.0)),
             rope_scaling=self._rope_scaling(),
             rms_eps=float(self._arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+            qk_norm=self.arch_spec.qk_norm,
             context_length=int(self._arch_key("context_length", 4096)),
             tie_word_embeddings=not self.has_tensor("output.weight"),
             bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
@@ -224,13 +234,14 @@ class GGUFBlockSource:
         """GGUF tensors of product ``name``, in row order, with the head count of the q/k
         rows whose RoPE permutation the loader undoes (None: rows as stored)."""
         cfg = self.config
+        permuted = self.gguf_file.arch_spec.permuted_qk_rows
         if name == "head":
             return [("output.weight" if self.gguf_file.has_tensor("output.weight") else "token_embd.weight", None)]
         _, idx, product = name.split(".")
         prefix = f"blk.{idx}."
         return {
-            "qkv": [(prefix + "attn_q.weight", cfg.num_heads), (prefix + "attn_k.weight", cfg.num_kv_heads),
-                    (prefix + "attn_v.weight", None)],
+            "qkv": [(prefix + "attn_q.weight", cfg.num_heads if permuted else None),
+                    (prefix + "attn_k.weight", cfg.num_kv_heads if permuted else None), (prefix + "attn_v.weight", None)],
             "o": [(prefix + "attn_output.weight", None)],
             "gate_up": [(prefix + "ffn_gate.weight", None), (prefix + "ffn_up.weight", None)],
             "down": [(prefix + "ffn_down.weight", None)],
@@ -263,15 +274,23 @@ def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
     cfg = model.config
     layer = model.layers[idx]
     prefix = f"blk.{idx}."
-    q = _unpermute_rope_rows(gguf_file.dequantized(prefix + "attn_q.weight"), cfg.num_heads)
-    k = _unpermute_rope_rows(gguf_file.dequantized(prefix + "attn_k.weight"), cfg.num_kv_heads)
+
+    def qk_rows(name: str, heads: int) -> Tensor:
+        t = gguf_file.dequantized(name)
+        return _unpermute_rope_rows(t, heads) if gguf_file.arch_spec.permuted_qk_rows else t
+
+    q = qk_rows(prefix + "attn_q.weight", cfg.num_heads)
+    k = qk_rows(prefix + "attn_k.weight", cfg.num_kv_heads)
     v = gguf_file.dequantized(prefix + "attn_v.weight")
     layer.qkv_proj.copy_(torch.cat((q, k, v)))  # (q_size + 2 kv_size, hidden)
     del q, k, v
     if layer.qkv_bias is not None:
-        bq = _unpermute_rope_rows(gguf_file.dequantized(prefix + "attn_q.bias"), cfg.num_heads)
-        bk = _unpermute_rope_rows(gguf_file.dequantized(prefix + "attn_k.bias"), cfg.num_kv_heads)
+        bq = qk_rows(prefix + "attn_q.bias", cfg.num_heads)
+        bk = qk_rows(prefix + "attn_k.bias", cfg.num_kv_heads)
         layer.qkv_bias.copy_(torch.cat((bq, bk, gguf_file.dequantized(prefix + "attn_v.bias"))))
+    if cfg.qk_norm:  # Qwen3: one norm weight per head_dim, shared by the heads
+        layer.q_norm.copy_(gguf_file.dequantized(prefix + "attn_q_norm.weight"))
+        layer.k_norm.copy_(gguf_file.dequantized(prefix + "attn_k_norm.weight"))
     layer.o_proj.copy_(gguf_file.dequantized(prefix + "attn_output.weight"))
     layer.attn_norm.copy_(gguf_file.dequantized(prefix + "attn_norm.weight"))
     layer.ffn_norm.copy_(gguf_file.dequantized(prefix + "ffn_norm.weight"))
@@ -301,6 +320,8 @@ def load_model(
     """
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
+    if numerics == "llamacpp" and GGUFFile(path).architecture != "llama":
+        raise ValueError("numerics='llamacpp' reproduces llama.cpp's arithmetic for the llama architecture only")
     if numerics == "llamacpp" and dtype not in (None, torch.float32):
         raise ValueError(f"dtype must be torch.float32 (or None) with numerics='llamacpp'; got {dtype}")
     started = time.perf_counter()

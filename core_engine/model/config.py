@@ -34,6 +34,8 @@ class LlamaConfig(msgspec.Struct, kw_only=True, frozen=True):
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     rms_eps: float
+    #: Per-head RMSNorm of q and k before RoPE (Qwen3).
+    qk_norm: bool = False
     #: Trained context length (``{arch}.context_length``); the engine's default max length.
     context_length: int
     #: True when the file has no ``output.weight``: the LM head reuses the token embedding.

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core_engine.attention import AttentionContext
+from core_engine.model.architectures import Architecture
 from core_engine.model.block_weights import BlockSource
 from core_engine.model.config import LlamaConfig
 from core_engine.model.linear import (
@@ -29,9 +30,12 @@ from core_engine.model.linear import (
 )
 from core_engine.model.rope import RotaryEmbedding
 
-__all__ = ["LlamaDecoderLayer", "LlamaModel"]
+__all__ = ["ARCHITECTURE", "LlamaDecoderLayer", "LlamaModel", "layer_weight"]
 
 logger = logging.getLogger(__name__)
+
+#: Llama 2/3: llama.cpp's converter permutes the q/k rows for its interleaved RoPE.
+ARCHITECTURE = Architecture(name="llama", permuted_qk_rows=True)
 
 
 def _match_format(
@@ -56,9 +60,12 @@ def _pack(fmt: str, name: str, weight: Tensor, bias: Tensor | None, source: Bloc
     return make_linear(fmt, weight, bias)
 
 
-def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    # Inference only: no autograd bookkeeping on weights.
+def layer_weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """An uninitialised weight the loader fills (inference only: no autograd bookkeeping)."""
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+_weight = layer_weight
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -93,14 +100,18 @@ class LlamaDecoderLayer(nn.Module):
         return {"qkv": (self.qkv_proj, self.qkv_bias), "o": (self.o_proj, None),
                 "gate_up": (self.gate_up_proj, None), "down": (self.down_proj, None)}
 
+    def qkv_heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """(T, n_heads + 2 n_kv_heads, head_dim): q | k | v of the normed input, RoPE on q and k."""
+        heads_qk = self.num_heads + self.num_kv_heads
+        return self.qkv.normed_rope(x, self.attn_norm, self.rms_eps, cos, sin, heads_qk, self.head_dim)
+
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, layer_idx: int
     ) -> Tensor:
         """x: (T, hidden) residual stream → (T, hidden); cos/sin: (T, 1, head_dim/2)."""
         num_tokens = x.shape[0]
         heads_qk = self.num_heads + self.num_kv_heads
-        # (T, n_heads + 2 n_kv_heads, head_dim), RoPE applied to q and k
-        qkv = self.qkv.normed_rope(x, self.attn_norm, self.rms_eps, cos, sin, heads_qk, self.head_dim)
+        qkv = self.qkv_heads(x, cos, sin)
         out = attn.forward(
             layer_idx, qkv[:, : self.num_heads], qkv[:, self.num_heads : heads_qk], qkv[:, heads_qk:]
         )
@@ -132,9 +143,15 @@ class LlamaModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        layer_class = self.decoder_layer_class
+        if config.qk_norm:
+            from core_engine.model.qwen3 import QKNormDecoderLayer
+
+            if layer_class is not LlamaDecoderLayer:
+                raise ValueError(f"{type(self).__name__} has no layers with q/k norms")
+            layer_class = QKNormDecoderLayer
         self.layers = nn.ModuleList(
-            self.decoder_layer_class(config, dtype=dtype, device=device, qkv_bias=qkv_bias)
-            for _ in range(config.num_layers)
+            layer_class(config, dtype=dtype, device=device, qkv_bias=qkv_bias) for _ in range(config.num_layers)
         )
         self.norm = _weight(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = (

@@ -1,9 +1,13 @@
-"""Vectorised dequantisation of GGUF tensor data (F32, F16, BF16, Q8_0, Q4_0, Q4_1) to torch.
+"""Dequantisation of GGUF tensor data to torch fp32.
 
-Each GGML block type packs 32 weights of one row: a float16 scale ``d`` (and for Q4_1 a
-float16 minimum ``m``) followed by the quants. The formulas match ggml's reference
-``dequantize_row_*`` exactly, so a dequantised fp32 matrix is bit-identical to what ggml
-computes per block.
+F32, F16, BF16, Q8_0, Q4_0 and Q4_1 are vectorised here in torch: each of those block types
+packs 32 weights of one row, a float16 scale ``d`` (and for Q4_1 a float16 minimum ``m``)
+followed by the quants, and the formulas match ggml's reference ``dequantize_row_*`` exactly,
+so a dequantised fp32 matrix is bit-identical to what ggml computes per block.
+
+Q5_0, Q5_1 and the K-quants (Q2_K ... Q6_K, super-blocks of 256 weights) go through
+``gguf.quants.dequantize`` (the ``gguf`` package's numpy port of ggml's reference
+dequantisers), once at load: what runs per step is the engine's weight format.
 """
 
 from __future__ import annotations
@@ -59,9 +63,17 @@ _BLOCK_DEQUANTIZERS = {
     GGMLQuantizationType.Q4_1: (20, _q4_1),
 }
 
+#: Dequantised by ``gguf.quants`` (numpy), in chunks of whole blocks.
+_GGUF_DEQUANTIZED = frozenset({
+    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
+
 SUPPORTED_TYPES = frozenset(
     {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
     | set(_BLOCK_DEQUANTIZERS)
+    | _GGUF_DEQUANTIZED
 )
 
 # Rows per chunk when dequantising block types: bounds the fp32 temporaries to ~64 MiB.
@@ -95,6 +107,19 @@ def dequantize(
             )
         step = max(1, _CHUNK_ELEMENTS // QK)
         flat = torch.cat([fn(blocks[i : i + step]) for i in range(0, blocks.shape[0], step)]).view(-1)
+    elif qtype in _GGUF_DEQUANTIZED:
+        from gguf import GGML_QUANT_SIZES, quants
+
+        block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
+        raw = np.asarray(data).reshape(-1).view(np.uint8)
+        if raw.size % block_bytes or raw.size // block_bytes * block_weights != numel:
+            raise UnsupportedTensorTypeError(f"{name}: {raw.size} bytes of {qtype.name} blocks do not hold {numel} weights")
+        blocks = raw.reshape(-1, block_bytes)
+        step = max(1, _CHUNK_ELEMENTS // block_weights)
+        flat = torch.cat([
+            torch.from_numpy(quants.dequantize(blocks[i : i + step], qtype).astype(np.float32).reshape(-1))
+            for i in range(0, blocks.shape[0], step)
+        ])
     else:
         raise UnsupportedTensorTypeError(
             f"{name}: tensor type {qtype.name} is not supported "

@@ -17,7 +17,7 @@ from core_engine.model.quant import UnsupportedTensorTypeError, dequantize
 from tests.core_engine.gguf_factory import TinyLlamaSpec, write_llama_gguf
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
 def test_dequantize_is_bit_exact_with_ggml_reference(qtype: Q) -> None:
     rng = np.random.default_rng(int(qtype))
     weights = (rng.standard_normal((96, 256)) * rng.uniform(0.01, 3.0, (96, 1))).astype(np.float32)
@@ -30,8 +30,8 @@ def test_dequantize_is_bit_exact_with_ggml_reference(qtype: Q) -> None:
 
 
 def test_unsupported_tensor_type_names_it() -> None:
-    with pytest.raises(UnsupportedTensorTypeError, match="Q6_K"):
-        dequantize(np.zeros(210, np.uint8), Q.Q6_K, (256,), name="blk.0.ffn_down.weight")
+    with pytest.raises(UnsupportedTensorTypeError, match="IQ2_XXS.*supported: .*Q4_K.*Q6_K"):
+        dequantize(np.zeros(66, np.uint8), Q.IQ2_XXS, (256,), name="blk.0.ffn_down.weight")
 
 
 def test_smollm2_config_from_metadata() -> None:

@@ -238,9 +238,9 @@ def test_cli_refuses_a_directory_without_one_gguf_and_other_architectures(
 ) -> None:
     code, _, err = _run_cli(["--model", str(tmp_path)], capsys)
     assert code == 2 and "argument --model" in err and "exactly one .gguf" in err
-    path = write_llama_gguf(tmp_path / "qwen.gguf", spec=TinyLlamaSpec(architecture="qwen2"))
+    path = write_llama_gguf(tmp_path / "gemma.gguf", spec=TinyLlamaSpec(architecture="gemma2"))
     code, _, err = _run_cli(["--model", str(path), "--device", "l4"], capsys)
-    assert code == 2 and "argument --model" in err and "architecture 'qwen2' is not supported" in err
+    assert code == 2 and "argument --model" in err and "architecture 'gemma2' is not supported" in err
 
 
 def test_cli_cuda_without_a_gpu_names_device(capsys: pytest.CaptureFixture[str]) -> None:

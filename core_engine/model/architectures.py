@@ -1,0 +1,41 @@
+"""The decoder architectures the core engine runs, by GGUF ``general.architecture`` name.
+
+Every architecture is the shared Llama-family decoder (:mod:`core_engine.model.llama`: RMSNorm,
+fused QKV with RoPE, GQA attention, SwiGLU) plus what its own module declares: how the file
+stores the q/k rows, and the layer class when its layers differ (e.g. Qwen3's q/k norms).
+Adding one is a module next to these and a line in :func:`architectures` (``docs/models.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+__all__ = ["Architecture", "architecture", "architectures"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Architecture:
+    """What the loader and the model need to know about one architecture."""
+
+    #: ``general.architecture`` in GGUF files.
+    name: str
+    #: llama.cpp's converter permutes the q/k rows of this architecture for its interleaved
+    #: ("normal") RoPE; the loader undoes it. False where the file keeps Hugging Face's
+    #: rotate-half order (llama.cpp runs those with NeoX RoPE).
+    permuted_qk_rows: bool
+    #: Per-head RMSNorm of q and k before RoPE (``blk.N.attn_q_norm`` / ``attn_k_norm``).
+    qk_norm: bool = False
+
+
+@cache
+def architectures() -> dict[str, Architecture]:
+    """Every architecture the engine runs, by name (each module declares its own)."""
+    from core_engine.model import llama, qwen2, qwen3
+
+    return {a.name: a for a in (llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE)}
+
+
+def architecture(name: str) -> Architecture | None:
+    """The :class:`Architecture` called ``name``, or None if the engine does not run it."""
+    return architectures().get(name)

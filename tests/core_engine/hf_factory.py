@@ -1,0 +1,149 @@
+"""Tiny random-weight Hugging Face models of each architecture, and the same weights as GGUF.
+
+``tiny_hf_model("qwen3")`` builds a 2-layer model with ``transformers`` from a small config (no
+download), its weights drawn so that activations stay O(1) (the library's own init would give
+near-zero logits and a meaningless 1e-3 check). ``write_gguf(model, path)`` writes those weights
+the way llama.cpp's converter lays them out (tensor names, q/k rows permuted for ``llama``
+only), with the tiny byte-level BPE vocabulary of :mod:`tests.core_engine.gguf_factory`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE
+from tests.core_engine.gguf_factory import build_tiny_vocab
+
+__all__ = ["ARCHITECTURES", "tiny_hf_model", "vocab_size", "write_gguf"]
+
+#: The architectures the engine runs, as transformers builds them.
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_PRE = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen2"}
+_NUM_MERGES = 160
+
+
+def vocab_size(arch: str) -> int:
+    return len(build_tiny_vocab(_NUM_MERGES, _PRE[arch])[0])
+
+
+def tiny_hf_model(arch: str, *, seed: int = 0) -> Any:
+    """A random-weight ``transformers`` causal LM of ``arch`` (fp32, eager attention)."""
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size(arch), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, rope_theta=10000.0, attention_bias=False)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common, rope_theta=1_000_000.0, use_sliding_window=False)
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        # head_dim 32 with hidden 64 and 4 heads: q is wider than the hidden size, as in Qwen3.
+        config = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1_000_000.0, attention_bias=False)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(f"no tiny {arch!r} model")
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+            else:
+                scale = (2.0 if "embed" in name or "lm_head" in name else 1.5) / param.shape[-1] ** 0.5
+                param.copy_(scale * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def _permute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter order for ``llama`` q/k rows (its interleaved RoPE)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(model: Any, path: str | Path) -> Path:
+    """``model``'s weights (F32) and config as a GGUF llama.cpp and the engine both load."""
+    cfg = model.config
+    arch = cfg.model_type
+    path = Path(path)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    tokens, token_types, merges = build_tiny_vocab(_NUM_MERGES, _PRE[arch])
+    assert len(tokens) == cfg.vocab_size
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-random-{arch}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    writer.add_rope_freq_base(float(rope_theta))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_PRE[arch])
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(FALLBACK_CHATML_TEMPLATE)
+
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    permute = arch == "llama"
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    for i in range(cfg.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"blk.{i}."
+        names = {
+            "input_layernorm.weight": "attn_norm.weight",
+            "self_attn.q_proj.weight": "attn_q.weight",
+            "self_attn.k_proj.weight": "attn_k.weight",
+            "self_attn.v_proj.weight": "attn_v.weight",
+            "self_attn.q_proj.bias": "attn_q.bias",
+            "self_attn.k_proj.bias": "attn_k.bias",
+            "self_attn.v_proj.bias": "attn_v.bias",
+            "self_attn.q_norm.weight": "attn_q_norm.weight",
+            "self_attn.k_norm.weight": "attn_k_norm.weight",
+            "self_attn.o_proj.weight": "attn_output.weight",
+            "post_attention_layernorm.weight": "ffn_norm.weight",
+            "mlp.gate_proj.weight": "ffn_gate.weight",
+            "mlp.up_proj.weight": "ffn_up.weight",
+            "mlp.down_proj.weight": "ffn_down.weight",
+        }
+        for hf_name, gguf_name in names.items():
+            if src + hf_name not in state:
+                continue
+            tensor = state[src + hf_name]
+            if permute and hf_name.startswith("self_attn.q_proj"):
+                tensor = _permute_qk(tensor, heads)
+            elif permute and hf_name.startswith("self_attn.k_proj"):
+                tensor = _permute_qk(tensor, kv_heads)
+            writer.add_tensor(dst + gguf_name, np.ascontiguousarray(tensor))
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        writer.add_tensor("output.weight", state["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

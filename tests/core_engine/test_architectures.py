@@ -1,0 +1,122 @@
+"""Each architecture the core engine runs, against two independent oracles: ``transformers``
+(a tiny random-weight model built from a small config) and llama.cpp (the same weights as
+GGUF), then served through the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from backends.base import BackendConfig
+from core_engine.attention import ContiguousAttention
+from core_engine.gguf_loader import GGUFFile, GGUFLoadError, load_model
+from gateway.testing import gateway_config, run_gateway
+from tests.core_engine.engine_util import make_engine, run_all
+from tests.core_engine.hf_factory import ARCHITECTURES, tiny_hf_model, write_gguf
+
+pytestmark = pytest.mark.slow
+
+#: Token ids fed teacher-forced (past the control tokens at 0..2).
+IDS = list(range(3, 67))
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object, Path]]:
+    arch = request.param
+    model = tiny_hf_model(arch)
+    yield arch, model, write_gguf(model, tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf")
+
+
+def _ours(path: Path, ids: list[int]) -> torch.Tensor:
+    model, config, _ = load_model(path, dtype=torch.float32, show_progress=False)
+    with torch.inference_mode():
+        return model(torch.tensor(ids), torch.arange(len(ids)), ContiguousAttention(config.num_layers)).float()
+
+
+def test_logits_equal_transformers_and_llamacpp(tiny: tuple[str, object, Path]) -> None:
+    import llama_cpp
+
+    arch, hf, path = tiny
+    assert GGUFFile(path).architecture == arch
+    ours = _ours(path, IDS)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([IDS])).logits[0].float()  # type: ignore[operator]
+    assert ours.std() > 1.0  # logits spread over units: the 1e-3 check means something
+    assert (ours - theirs).abs().max() <= 1e-3, f"{arch}: vs transformers"
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=1, logits_all=True,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, verbose=False)
+    try:
+        llm.eval(IDS)
+        lcpp = torch.from_numpy(np.array(llm.scores[: len(IDS)]))
+    finally:
+        llm.close()
+    assert (ours - lcpp).abs().max() <= 1e-3, f"{arch}: vs llama.cpp"
+
+
+def test_the_engine_decodes_what_transformers_generates(tiny: tuple[str, object, Path]) -> None:
+    # The engine's own path: paged KV cache, the scheduler, the decode kernel (dense fp32).
+    arch, hf, path = tiny
+    engine = make_engine(path)
+    prompt = IDS[:12]
+    out = run_all(engine, {"p": prompt}, _greedy(16))["p"]["token_ids"]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]  # type: ignore[attr-defined]
+    assert out == expected.tolist(), arch
+
+
+def test_the_default_weight_format_stays_close_to_the_exact_model(tiny: tuple[str, object, Path]) -> None:
+    arch, _, path = tiny
+    exact = _ours(path, IDS)
+    engine = make_engine(path, weight_format="auto", dtype="float32")
+    with torch.inference_mode():
+        packed = engine.model_runner.model(
+            torch.tensor(IDS), torch.arange(len(IDS)), ContiguousAttention(engine.model_runner.model.config.num_layers)
+        ).float()
+    p = exact.log_softmax(-1)
+    kl = float((p.exp() * (p - packed.log_softmax(-1))).sum(-1).mean())
+    assert kl < 0.01, f"{arch}: KL {kl:.4f} of {engine.model_runner.model.weight_format}"
+
+
+def test_each_architecture_is_served_through_the_gateway(tiny: tuple[str, object, Path]) -> None:
+    arch, _, path = tiny
+    config = gateway_config(
+        BackendConfig(name=arch, kind="core_engine", options={"model_path": str(path), "num_threads": 1}),
+        models={arch: [arch]},
+    )
+    messages = [{"role": "user", "content": "the quick brown fox " * 8}]
+    with run_gateway(config) as gateway:
+        client = gateway.openai_client(timeout=120.0)
+        # ignore_eos (as vLLM takes it): a random model may pick its end token at once.
+        fixed = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        first = client.chat.completions.create(model=arch, messages=messages, **fixed)
+        assert first.choices[0].message.content and first.usage.completion_tokens == 8
+        chunks = list(client.chat.completions.create(
+            model=arch, messages=messages, stream=True, stream_options={"include_usage": True}, **fixed,
+        ))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == first.choices[0].message.content
+        usage = next(c.usage for c in chunks if c.usage is not None)
+        assert usage.prompt_tokens_details.cached_tokens > 0  # the second request reused the prompt's KV
+
+
+def test_an_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFLoadError, match=r"'mamba' is not supported \(supported: llama, qwen2, qwen3\)"):
+        GGUFFile(tmp_path / "mamba.gguf").llama_config()
+
+
+def _greedy(n: int):
+    from core_engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
