@@ -216,9 +216,12 @@ class CoreEngineBackend:
                 path = default_model_path()
             except FileNotFoundError as exc:
                 raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
-        if not path.is_file():
+        from core_engine.hf_loader import is_hf_checkpoint
+
+        if not path.is_file() and not is_hf_checkpoint(path):
             raise BackendConfigError(
-                f"backend {self.name!r}: model file not found: {path} (backends.{self.name}.options.model_path)"
+                f"backend {self.name!r}: model file not found: {path} (backends.{self.name}.options.model_path: "
+                "a GGUF file or a Hugging Face checkpoint directory with config.json)"
             )
         self._model_path = path
         return path

@@ -308,7 +308,8 @@ def load_model(
     show_progress: bool | None = None,
     numerics: str = "exact",
 ) -> tuple[LlamaModel, LlamaConfig, Tokenizer]:
-    """Read ``path`` and build the model, its config and its tokenizer.
+    """Read ``path`` (a GGUF file, or a Hugging Face checkpoint directory:
+    :mod:`core_engine.hf_loader`) and build the model, its config and its tokenizer.
 
     ``dtype``: compute/storage dtype of the weights (``None``: :func:`preferred_dtype`).
     ``show_progress``: a tqdm bar per layer (``None``: only on a terminal); the start and the
@@ -320,6 +321,12 @@ def load_model(
     """
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
+    from core_engine.hf_loader import is_hf_checkpoint, load_hf_model
+
+    if is_hf_checkpoint(path):  # a Hugging Face checkpoint directory instead of a GGUF file
+        if numerics != "exact":
+            raise ValueError("numerics='llamacpp' needs a GGUF file")
+        return load_hf_model(path, dtype=dtype or preferred_dtype(device), device=device)  # type: ignore[return-value]
     if numerics == "llamacpp" and GGUFFile(path).architecture != "llama":
         raise ValueError("numerics='llamacpp' reproduces llama.cpp's arithmetic for the llama architecture only")
     if numerics == "llamacpp" and dtype not in (None, torch.float32):

@@ -50,8 +50,15 @@ def model_fingerprint(model_path: str | os.PathLike[str], *, extra: str = "") ->
     its layout version). About 6 MiB are read whatever the file's size, so a multi-GB file
     costs milliseconds. Two files that differ only outside the samples get the same
     fingerprint; another model (another size, header or weights) does not. Raises
-    ``OSError`` when the file cannot be read.
+    ``OSError`` when the file cannot be read. A Hugging Face checkpoint directory is
+    fingerprinted by its ``*.json`` and ``*.safetensors`` files.
     """
+    if os.path.isdir(model_path):  # a checkpoint directory: its config and weight files, in order
+        from pathlib import Path
+
+        files = sorted(p for p in Path(model_path).iterdir() if p.suffix in (".json", ".safetensors") and p.is_file())
+        parts = b"".join(p.name.encode() + model_fingerprint(p) for p in files)
+        return hashlib.blake2b(parts + extra.encode(), digest_size=DIGEST_NBYTES, person=b"infermux-kv-fp").digest()
     digest = hashlib.blake2b(digest_size=DIGEST_NBYTES, person=b"infermux-kv-fp")
     with open(model_path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

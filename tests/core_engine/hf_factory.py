@@ -2,7 +2,9 @@
 
 ``tiny_hf_model("qwen3")`` builds a 2-layer model with ``transformers`` from a small config (no
 download), its weights drawn so that activations stay O(1) (the library's own init would give
-near-zero logits and a meaningless 1e-3 check). ``write_gguf(model, path)`` writes those weights
+near-zero logits and a meaningless 1e-3 check). ``save_checkpoint(model, directory)`` writes it as a Hugging Face checkpoint directory
+(``save_pretrained``'s config.json + model.safetensors, and a ``tokenizers`` tokenizer.json of
+the same vocabulary). ``write_gguf(model, path)`` writes those weights
 the way llama.cpp's converter lays them out (tensor names, q/k rows permuted for ``llama``
 only), with the tiny byte-level BPE vocabulary of :mod:`tests.core_engine.gguf_factory`.
 """
@@ -19,7 +21,7 @@ import torch
 from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE
 from tests.core_engine.gguf_factory import build_tiny_vocab
 
-__all__ = ["ARCHITECTURES", "tiny_hf_model", "vocab_size", "write_gguf"]
+__all__ = ["ARCHITECTURES", "save_checkpoint", "tiny_hf_model", "vocab_size", "write_gguf"]
 
 #: The architectures the engine runs, as transformers builds them.
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -147,3 +149,32 @@ def write_gguf(model: Any, path: str | Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def save_checkpoint(model: Any, directory: str | Path) -> Path:
+    """``model`` as a checkpoint directory: config.json, model.safetensors, tokenizer.json
+    (byte-level BPE over the tiny vocabulary, ChatML control tokens), tokenizer_config.json
+    (chat template, BOS/EOS texts) and generation_config.json."""
+    import json
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from core_engine.tokenizer.pre_tokenizer import _QWEN2
+    from tests.core_engine.gguf_factory import SPECIAL_TOKENS
+
+    directory = Path(directory)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tokens, _, merges = build_tiny_vocab(_NUM_MERGES, _PRE[model.config.model_type])
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(_QWEN2), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[2], "chat_template": FALLBACK_CHATML_TEMPLATE,
+    }))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 0}))
+    return directory

@@ -1,0 +1,163 @@
+"""Load a Hugging Face checkpoint directory (``config.json``, ``*.safetensors``,
+``tokenizer.json``) into a :class:`~core_engine.model.llama.LlamaModel`.
+
+The architectures are the GGUF loader's (:mod:`core_engine.model.architectures`, by
+``config.json``'s ``model_type``); Hugging Face keeps q/k rows in rotate-half order, so nothing
+is permuted. Weights are read with ``safetensors`` (memory-mapped) and copied once into the
+compute dtype; the engine then stores the products in its weight format (int4/int8 quantised
+from these values by ``gguf.quants``). The tokenizer is ``tokenizers``' (:class:`HFTokenizer`).
+Nothing is downloaded: ``model_path`` names a directory on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from core_engine.model.architectures import architecture, architectures
+from core_engine.model.config import LlamaConfig, RopeScaling
+from core_engine.model.llama import LlamaModel
+from core_engine.tokenizer.hf import HFTokenizer
+
+__all__ = ["HFLoadError", "hf_config", "is_hf_checkpoint", "load_hf_model"]
+
+logger = logging.getLogger(__name__)
+
+
+class HFLoadError(ValueError):
+    """The directory is not a checkpoint this engine can run (message names what is wrong)."""
+
+
+def is_hf_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a directory with a ``config.json`` (a Hugging Face checkpoint)."""
+    path = Path(path)
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+class _Tensors:
+    """Every tensor of the directory's ``*.safetensors`` files, by name (read on demand)."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise HFLoadError(f"{directory}: no *.safetensors files (other weight formats are not read)")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]  # type: ignore[no-untyped-call]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> Tensor:
+        handle = self._where.get(name)
+        if handle is None:
+            raise HFLoadError(f"tensor {name!r} is missing from the checkpoint")
+        return handle.get_tensor(name).float()
+
+
+def _config_json(directory: Path) -> dict[str, Any]:
+    try:
+        return json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise HFLoadError(f"{directory}/config.json is not readable JSON: {exc}") from exc
+
+
+def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaConfig:
+    """:class:`LlamaConfig` from ``config.json``; HFLoadError naming an unsupported field."""
+    directory = Path(directory)
+    cfg = _config_json(directory)
+    model_type = cfg.get("model_type")
+    spec = architecture(str(model_type))
+    if spec is None:
+        raise HFLoadError(
+            f"{directory}: model_type {model_type!r} is not supported (supported: {', '.join(sorted(architectures()))})"
+        )
+
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise HFLoadError(f"{directory}/config.json lacks {key!r}")
+        return cfg[key]
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    rope = cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    scaling_cfg = cfg.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
+    scaling = None
+    if scaling_cfg:
+        kind = scaling_cfg.get("rope_type") or scaling_cfg.get("type")
+        if kind == "linear":
+            scaling = RopeScaling(kind="linear", factor=float(scaling_cfg["factor"]))
+        elif kind not in (None, "default"):
+            raise HFLoadError(f"{directory}: RoPE scaling {kind!r} is not supported (only linear)")
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFLoadError(f"{directory}: partial RoPE is not supported")
+    tied = bool(cfg.get("tie_word_embeddings", False)) or (tensors is not None and "lm_head.weight" not in tensors)
+    eos = cfg.get("eos_token_id")
+    return LlamaConfig(
+        architecture=spec.name,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rope_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qk_norm=spec.qk_norm,
+        context_length=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=tied,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        name=directory.name,
+    )
+
+
+def load_hf_model(
+    path: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[LlamaModel, LlamaConfig, HFTokenizer]:
+    """The model, config and tokenizer of the checkpoint directory ``path``."""
+    started = time.perf_counter()
+    directory = Path(path)
+    tensors = _Tensors(directory)
+    config = hf_config(directory, tensors)
+    tokenizer = HFTokenizer(directory)
+    logger.info("loading %s (%s, %d layers, hidden %d) as %s on %s", directory.name, config.architecture,
+                config.num_layers, config.hidden_size, dtype, device)
+    with torch.no_grad():
+        model = LlamaModel(
+            config, dtype=dtype, device=device, qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensors
+        )
+        model.embed_tokens.copy_(tensors.get("model.embed_tokens.weight"))
+        model.norm.copy_(tensors.get("model.norm.weight"))
+        if not config.tie_word_embeddings:
+            model.lm_head.copy_(tensors.get("lm_head.weight"))
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            layer.qkv_proj.copy_(torch.cat([tensors.get(attn + f"{x}_proj.weight") for x in "qkv"]))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([tensors.get(attn + f"{x}_proj.bias") for x in "qkv"]))
+            layer.o_proj.copy_(tensors.get(attn + "o_proj.weight"))
+            if config.qk_norm:
+                layer.q_norm.copy_(tensors.get(attn + "q_norm.weight"))
+                layer.k_norm.copy_(tensors.get(attn + "k_norm.weight"))
+            layer.attn_norm.copy_(tensors.get(p + "input_layernorm.weight"))
+            layer.ffn_norm.copy_(tensors.get(p + "post_attention_layernorm.weight"))
+            inter = config.intermediate_size
+            layer.gate_up_proj[:inter].copy_(tensors.get(p + "mlp.gate_proj.weight"))
+            layer.gate_up_proj[inter:].copy_(tensors.get(p + "mlp.up_proj.weight"))
+            layer.down_proj.copy_(tensors.get(p + "mlp.down_proj.weight"))
+    model.eval()
+    logger.info("loaded %s in %.1f s", directory.name, time.perf_counter() - started)
+    return model, config, tokenizer

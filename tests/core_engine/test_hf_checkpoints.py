@@ -1,0 +1,104 @@
+"""Hugging Face checkpoint directories (config.json, *.safetensors, tokenizer.json) as the
+core engine's ``model_path``: each architecture against ``transformers``, the tokenizer
+against ``tokenizers``, and the directory served through the gateway. Nothing is downloaded:
+the checkpoints are tiny random-weight models the tests save."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.base import BackendConfig
+from core_engine.attention import ContiguousAttention
+from core_engine.gguf_loader import load_model
+from core_engine.hf_loader import HFLoadError, hf_config
+from core_engine.tokenizer.hf import HFTokenizer
+from gateway.testing import gateway_config, run_gateway
+from tests.core_engine.engine_util import make_engine, run_all
+from tests.core_engine.hf_factory import ARCHITECTURES, save_checkpoint, tiny_hf_model
+from tests.core_engine.tokenizer_corpus import CORPUS
+
+pytestmark = pytest.mark.slow
+
+IDS = list(range(3, 67))
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object, Path]]:
+    arch = request.param
+    model = tiny_hf_model(arch, seed=1)
+    yield arch, model, save_checkpoint(model, tmp_path_factory.mktemp(f"hf-{arch}"))
+
+
+def test_logits_equal_transformers(checkpoint: tuple[str, object, Path]) -> None:
+    arch, hf, directory = checkpoint
+    model, config, _ = load_model(directory, dtype=torch.float32, show_progress=False)
+    assert config.architecture == arch
+    with torch.inference_mode():
+        ours = model(torch.tensor(IDS), torch.arange(len(IDS)), ContiguousAttention(config.num_layers)).float()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([IDS])).logits[0].float()  # type: ignore[operator]
+    assert ours.std() > 1.0 and (ours - theirs).abs().max() <= 1e-3, arch
+
+
+def test_the_engine_decodes_what_transformers_generates_in_each_weight_format(checkpoint: tuple[str, object, Path]) -> None:
+    arch, hf, directory = checkpoint
+    prompt = IDS[:12]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()  # type: ignore[attr-defined]
+    from core_engine.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert run_all(make_engine(directory), {"p": prompt}, greedy)["p"]["token_ids"] == expected, arch
+    # The block formats quantise these weights at load (no GGUF blocks to take): they run.
+    packed = make_engine(directory, weight_format="int8")
+    assert packed.model_runner.model.weight_format == "int8"
+    assert len(run_all(packed, {"p": prompt}, greedy)["p"]["token_ids"]) == 12
+
+
+def test_the_tokenizer_is_the_checkpoints(checkpoint: tuple[str, object, Path]) -> None:
+    from tokenizers import Tokenizer
+
+    _, _, directory = checkpoint
+    ours, theirs = HFTokenizer(directory), Tokenizer.from_file(str(directory / "tokenizer.json"))
+    for text in CORPUS:
+        assert ours.encode(text, parse_special=True) == theirs.encode(text).ids, text
+        if "<|" not in text:
+            assert ours.decode(ours.encode(text)) == text
+    # Control-token texts in user input stay text unless asked for.
+    assert ours.encode("<|im_start|>", parse_special=True) == [1]
+    assert 1 not in ours.encode("<|im_start|>")
+    # eos from generation_config.json, plus <|endoftext|>: an end-of-generation text, as llama.cpp treats it.
+    assert ours.stop_token_ids == {0, 2} and ours.eos_token_id == 2 and ours.bos_token_id == 0
+    assert ours.decode([1, *ours.encode("hi")]) == "hi" and ours.decode([1], skip_special=False) == "<|im_start|>"
+
+
+def test_a_checkpoint_directory_is_served_through_the_gateway(checkpoint: tuple[str, object, Path]) -> None:
+    arch, _, directory = checkpoint
+    config = gateway_config(
+        BackendConfig(name=arch, kind="core_engine", options={"model_path": str(directory), "num_threads": 1}),
+        models={arch: [arch]},
+    )
+    messages = [{"role": "user", "content": "the quick brown fox " * 8}]
+    fixed = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    with run_gateway(config) as gateway:
+        client = gateway.openai_client(timeout=120.0)
+        first = client.chat.completions.create(model=arch, messages=messages, **fixed)
+        assert first.usage.completion_tokens == 6
+        chunks = list(client.chat.completions.create(
+            model=arch, messages=messages, stream=True, stream_options={"include_usage": True}, **fixed,
+        ))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content
+        assert next(c.usage for c in chunks if c.usage).prompt_tokens_details.cached_tokens > 0
+
+
+def test_an_unsupported_model_type_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "hidden_size": 64}))
+    with pytest.raises(HFLoadError, match=r"model_type 'gemma2' is not supported \(supported: llama, qwen2, qwen3\)"):
+        hf_config(tmp_path)
+    with pytest.raises(HFLoadError, match="no \\*.safetensors"):
+        load_model(tmp_path, dtype=torch.float32)
