@@ -111,9 +111,14 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF key/values (``tokenizer.ggml.*``, ``tokenizer.chat_template``)."""
         model = metadata.get("tokenizer.ggml.model")
+        if model == "llama":  # SentencePiece (Llama 2, Mistral, Gemma)
+            from core_engine.tokenizer.spm import SentencePieceTokenizer
+
+            return SentencePieceTokenizer.from_spm_metadata(metadata)
         if model != "gpt2":
             raise TokenizerError(
-                f"tokenizer.ggml.model = {model!r} is not supported (only byte-level BPE, 'gpt2')"
+                f"tokenizer.ggml.model = {model!r} is not supported "
+                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)"
             )
         tokens = metadata.get("tokenizer.ggml.tokens")
         merges = metadata.get("tokenizer.ggml.merges")

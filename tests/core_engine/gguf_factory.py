@@ -63,6 +63,10 @@ class TinyLlamaSpec:
     rope_scaling: tuple[str, float] | None = None
     architecture: str = "llama"
     seed: int = 0
+    #: A SentencePiece model file: its pieces, scores and types become the vocabulary
+    #: (``tokenizer.ggml.model = "llama"``, as Llama 2 / Mistral / Gemma files) instead of the
+    #: byte-level BPE.
+    sentencepiece_model: Path | None = None
 
 
 def build_tiny_vocab(num_merges: int, pre: str = "smollm") -> tuple[list[str], list[int], list[str]]:
@@ -100,6 +104,17 @@ def build_tiny_vocab(num_merges: int, pre: str = "smollm") -> tuple[list[str], l
     return tokens, token_types, merges
 
 
+def sentencepiece_vocab(model_file: Path) -> tuple[list[str], list[float], list[int]]:
+    """Pieces, scores and GGUF token types of a SentencePiece model (as llama.cpp's converter
+    writes them: normal 1, unknown 2, control 3, user-defined 4, byte 6)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(model_file).read_bytes())
+    kinds = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6}  # sentencepiece's Type enum matches GGUF's
+    return ([p.piece for p in proto.pieces], [p.score for p in proto.pieces], [kinds[p.type] for p in proto.pieces])
+
+
 def _encode_weight(array: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType | None]:
     if qtype == GGMLQuantizationType.F32:
         return array.astype(np.float32), None
@@ -124,7 +139,10 @@ def write_llama_gguf(
     spec = spec or TinyLlamaSpec()
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
-    tokens, token_types, merges = build_tiny_vocab(spec.num_merges, spec.pre)
+    if spec.sentencepiece_model is not None:
+        tokens, scores, token_types = sentencepiece_vocab(spec.sentencepiece_model)
+    else:
+        tokens, token_types, merges = build_tiny_vocab(spec.num_merges, spec.pre)
     vocab = len(tokens)
     head_dim = spec.hidden_size // spec.num_heads
     hidden, inter = spec.hidden_size, spec.intermediate_size
@@ -144,13 +162,22 @@ def write_llama_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType(spec.rope_scaling[0]))
         writer.add_rope_scaling_factor(spec.rope_scaling[1])
     writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(spec.pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
+    if spec.sentencepiece_model is not None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(token_types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(spec.pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(token_types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(2)
     if spec.add_bos is not None:
         writer.add_add_bos_token(spec.add_bos)
     writer.add_chat_template(FALLBACK_CHATML_TEMPLATE)

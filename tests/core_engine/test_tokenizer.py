@@ -130,6 +130,6 @@ def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
         GGUFFile(path).tokenizer()
 
 
-def test_non_bpe_tokenizer_is_refused() -> None:
-    with pytest.raises(TokenizerError, match="llama"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+def test_an_unsupported_tokenizer_model_is_refused_with_the_supported_ones() -> None:
+    with pytest.raises(TokenizerError, match=r"'t5' is not supported \(supported: 'gpt2' .*'llama' SentencePiece"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "t5"})

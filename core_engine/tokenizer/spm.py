@@ -1,0 +1,128 @@
+"""SentencePiece vocabularies stored in GGUF (``tokenizer.ggml.model = "llama"``: Llama 2,
+Mistral, Gemma and their fine-tunes), tokenized as llama.cpp does.
+
+The pieces, scores and types of the file become a SentencePiece ``ModelProto`` (BPE, byte
+fallback where the vocabulary has byte pieces, no normalisation) and the ``sentencepiece``
+library segments each run of ordinary text. Around it, what llama.cpp adds: special-token
+texts are split out first (user-defined ones always, control ones only with
+``parse_special``; :class:`~core_engine.tokenizer.bpe.Tokenizer`'s rules), and a run of text
+that starts the input or follows a special token gets a leading space
+(``tokenizer.ggml.add_space_prefix``, default on) before spaces become ``▁``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from core_engine.tokenizer.bpe import Tokenizer, TokenizerError, TokenType
+
+__all__ = ["SentencePieceTokenizer"]
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """Text <-> ids for a GGUF SentencePiece vocabulary (see the module docstring)."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        scores: Sequence[float],
+        *,
+        token_types: Sequence[int] | None = None,
+        add_space_prefix: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        import sentencepiece
+        from sentencepiece import sentencepiece_model_pb2
+
+        super().__init__(tokens, [], token_types=token_types, **kwargs)
+        if len(scores) != len(tokens):
+            raise TokenizerError(f"{len(scores)} token scores for {len(tokens)} tokens")
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.trainer_spec.model_type = sentencepiece_model_pb2.TrainerSpec.BPE
+        proto.trainer_spec.byte_fallback = any(t == TokenType.BYTE for t in self._types)
+        proto.normalizer_spec.name = "identity"
+        proto.normalizer_spec.add_dummy_prefix = False  # the prefix is added here, per fragment
+        proto.normalizer_spec.remove_extra_whitespaces = False
+        proto.normalizer_spec.escape_whitespaces = True
+        kinds = sentencepiece_model_pb2.ModelProto.SentencePiece
+        for i, (text, score) in enumerate(zip(tokens, scores, strict=True)):
+            piece = proto.pieces.add()
+            piece.piece = text or f"[EMPTY_{i}]"
+            piece.score = float(score)
+            token_type = self._types[i]
+            # Special texts never reach the segmenter (split out before): keep them out of it.
+            piece.type = {
+                TokenType.UNKNOWN: kinds.UNKNOWN, TokenType.CONTROL: kinds.CONTROL, TokenType.BYTE: kinds.BYTE,
+                TokenType.USER_DEFINED: kinds.CONTROL, TokenType.UNUSED: kinds.UNUSED,
+            }.get(TokenType(token_type), kinds.NORMAL)
+        if not any(p.type == kinds.UNKNOWN for p in proto.pieces):
+            raise TokenizerError("SentencePiece vocabulary has no unknown token")
+        self._processor = sentencepiece.SentencePieceProcessor()
+        try:
+            self._processor.LoadFromSerializedProto(proto.SerializeToString())
+        except RuntimeError as exc:
+            raise TokenizerError(f"SentencePiece vocabulary rejected: {exc}") from exc
+        self.add_space_prefix = add_space_prefix
+
+    @classmethod
+    def from_spm_metadata(cls, metadata: Mapping[str, Any]) -> SentencePieceTokenizer:
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        scores = metadata.get("tokenizer.ggml.scores")
+        if not tokens or scores is None:
+            raise TokenizerError("GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.scores")
+
+        def token_id(key: str, default: int | None) -> int | None:
+            value = metadata.get(f"tokenizer.ggml.{key}")
+            if value is None or not 0 <= int(value) < len(tokens):
+                return default
+            return int(value)
+
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token")
+        return cls(
+            tokens,
+            scores,
+            token_types=metadata.get("tokenizer.ggml.token_type"),
+            # SPM defaults in llama.cpp: bos 1, eos 2, BOS added.
+            bos_token_id=token_id("bos_token_id", 1),
+            eos_token_id=token_id("eos_token_id", 2),
+            eot_token_id=token_id("eot_token_id", None),
+            eom_token_id=token_id("eom_token_id", None),
+            pad_token_id=token_id("padding_token_id", None),
+            add_bos=True if add_bos is None else bool(add_bos),
+            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
+            chat_template=metadata.get("tokenizer.chat_template"),
+        )
+
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text``; equal to llama.cpp's ``llama_tokenize(text, add_special,
+        parse_special)`` on the same file."""
+        ids: list[int] = []
+        if add_special and self.add_bos and self.bos_token_id is not None:
+            ids.append(self.bos_token_id)
+        after_special = True  # the first run of text gets the space prefix too
+        for fragment in self._split_special(text, parse_special):
+            if isinstance(fragment, int):
+                ids.append(fragment)
+                after_special = True
+                continue
+            prefix = " " if self.add_space_prefix and after_special else ""
+            ids.extend(self._processor.EncodeAsIds(prefix + fragment))
+            after_special = False
+        if add_special and self.add_eos and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        return ids
+
+    def _piece(self, token_id: int) -> bytes:
+        token_type = self._types[token_id]
+        text = self._id_to_text[token_id]
+        if token_type == TokenType.NORMAL:
+            return text.replace(_SPACE, " ").encode("utf-8")
+        if token_type == TokenType.BYTE and len(text) == 6 and text.startswith("<0x"):
+            return bytes([int(text[3:5], 16)])
+        if token_type in (TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.UNKNOWN):
+            return text.encode("utf-8")
+        return b""
