@@ -158,6 +158,8 @@ class GGUFFile:
     def llama_config(self) -> LlamaConfig:
         """Hyper-parameters for :class:`LlamaModel`, validated against what the engine supports."""
         arch = self.arch_spec.name
+        if self.has_tensor("rope_factors_long.weight") or self.has_tensor("rope_factors_short.weight"):
+            raise GGUFLoadError(f"{self.path}: LongRoPE (rope_factors_long/short) is not supported")
         hidden = int(self._arch_key("embedding_length", required=True))
         num_heads = int(self._arch_key("attention.head_count", required=True))
         num_kv_heads = int(self._arch_key("attention.head_count_kv", num_heads))
@@ -239,6 +241,9 @@ class GGUFBlockSource:
             return [("output.weight" if self.gguf_file.has_tensor("output.weight") else "token_embd.weight", None)]
         _, idx, product = name.split(".")
         prefix = f"blk.{idx}."
+        if self.gguf_file.arch_spec.fused_projections:
+            return {"qkv": [(prefix + "attn_qkv.weight", None)], "o": [(prefix + "attn_output.weight", None)],
+                    "gate_up": [(prefix + "ffn_up.weight", None)], "down": [(prefix + "ffn_down.weight", None)]}[product]
         return {
             "qkv": [(prefix + "attn_q.weight", cfg.num_heads if permuted else None),
                     (prefix + "attn_k.weight", cfg.num_kv_heads if permuted else None), (prefix + "attn_v.weight", None)],
@@ -279,11 +284,15 @@ def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
         t = gguf_file.dequantized(name)
         return _unpermute_rope_rows(t, heads) if gguf_file.arch_spec.permuted_qk_rows else t
 
-    q = qk_rows(prefix + "attn_q.weight", cfg.num_heads)
-    k = qk_rows(prefix + "attn_k.weight", cfg.num_kv_heads)
-    v = gguf_file.dequantized(prefix + "attn_v.weight")
-    layer.qkv_proj.copy_(torch.cat((q, k, v)))  # (q_size + 2 kv_size, hidden)
-    del q, k, v
+    fused = gguf_file.arch_spec.fused_projections
+    if fused:  # Phi-3: q|k|v in one tensor, in Hugging Face's row order
+        layer.qkv_proj.copy_(gguf_file.dequantized(prefix + "attn_qkv.weight"))
+    else:
+        q = qk_rows(prefix + "attn_q.weight", cfg.num_heads)
+        k = qk_rows(prefix + "attn_k.weight", cfg.num_kv_heads)
+        v = gguf_file.dequantized(prefix + "attn_v.weight")
+        layer.qkv_proj.copy_(torch.cat((q, k, v)))  # (q_size + 2 kv_size, hidden)
+        del q, k, v
     if layer.qkv_bias is not None:
         bq = qk_rows(prefix + "attn_q.bias", cfg.num_heads)
         bk = qk_rows(prefix + "attn_k.bias", cfg.num_kv_heads)
@@ -295,8 +304,11 @@ def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
     layer.attn_norm.copy_(gguf_file.dequantized(prefix + "attn_norm.weight"))
     layer.ffn_norm.copy_(gguf_file.dequantized(prefix + "ffn_norm.weight"))
     inter = cfg.intermediate_size
-    layer.gate_up_proj[:inter].copy_(gguf_file.dequantized(prefix + "ffn_gate.weight"))
-    layer.gate_up_proj[inter:].copy_(gguf_file.dequantized(prefix + "ffn_up.weight"))
+    if fused:  # gate|up in one tensor
+        layer.gate_up_proj.copy_(gguf_file.dequantized(prefix + "ffn_up.weight"))
+    else:
+        layer.gate_up_proj[:inter].copy_(gguf_file.dequantized(prefix + "ffn_gate.weight"))
+        layer.gate_up_proj[inter:].copy_(gguf_file.dequantized(prefix + "ffn_up.weight"))
     layer.down_proj.copy_(gguf_file.dequantized(prefix + "ffn_down.weight"))
 
 

@@ -135,9 +135,8 @@ def load_hf_model(
     logger.info("loading %s (%s, %d layers, hidden %d) as %s on %s", directory.name, config.architecture,
                 config.num_layers, config.hidden_size, dtype, device)
     with torch.no_grad():
-        model = LlamaModel(
-            config, dtype=dtype, device=device, qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensors
-        )
+        bias = any(f"model.layers.0.self_attn.{n}.bias" in tensors for n in ("q_proj", "qkv_proj"))
+        model = LlamaModel(config, dtype=dtype, device=device, qkv_bias=bias)
         model.embed_tokens.copy_(tensors.get("model.embed_tokens.weight"))
         model.norm.copy_(tensors.get("model.norm.weight"))
         if not config.tie_word_embeddings:
@@ -145,9 +144,16 @@ def load_hf_model(
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
-            layer.qkv_proj.copy_(torch.cat([tensors.get(attn + f"{x}_proj.weight") for x in "qkv"]))
+            fused = architecture(config.architecture).fused_projections  # type: ignore[union-attr]
+            if fused:  # Phi-3: qkv_proj and gate_up_proj as stored
+                layer.qkv_proj.copy_(tensors.get(attn + "qkv_proj.weight"))
+            else:
+                layer.qkv_proj.copy_(torch.cat([tensors.get(attn + f"{x}_proj.weight") for x in "qkv"]))
             if layer.qkv_bias is not None:
-                layer.qkv_bias.copy_(torch.cat([tensors.get(attn + f"{x}_proj.bias") for x in "qkv"]))
+                layer.qkv_bias.copy_(
+                    tensors.get(attn + "qkv_proj.bias") if fused
+                    else torch.cat([tensors.get(attn + f"{x}_proj.bias") for x in "qkv"])
+                )
             layer.o_proj.copy_(tensors.get(attn + "o_proj.weight"))
             if config.qk_norm:
                 layer.q_norm.copy_(tensors.get(attn + "q_norm.weight"))
@@ -155,8 +161,11 @@ def load_hf_model(
             layer.attn_norm.copy_(tensors.get(p + "input_layernorm.weight"))
             layer.ffn_norm.copy_(tensors.get(p + "post_attention_layernorm.weight"))
             inter = config.intermediate_size
-            layer.gate_up_proj[:inter].copy_(tensors.get(p + "mlp.gate_proj.weight"))
-            layer.gate_up_proj[inter:].copy_(tensors.get(p + "mlp.up_proj.weight"))
+            if fused:
+                layer.gate_up_proj.copy_(tensors.get(p + "mlp.gate_up_proj.weight"))
+            else:
+                layer.gate_up_proj[:inter].copy_(tensors.get(p + "mlp.gate_proj.weight"))
+                layer.gate_up_proj[inter:].copy_(tensors.get(p + "mlp.up_proj.weight"))
             layer.down_proj.copy_(tensors.get(p + "mlp.down_proj.weight"))
     model.eval()
     logger.info("loaded %s in %.1f s", directory.name, time.perf_counter() - started)

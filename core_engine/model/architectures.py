@@ -26,14 +26,17 @@ class Architecture:
     permuted_qk_rows: bool
     #: Per-head RMSNorm of q and k before RoPE (``blk.N.attn_q_norm`` / ``attn_k_norm``).
     qk_norm: bool = False
+    #: The file holds q|k|v as one tensor (``attn_qkv``) and gate|up as one (``ffn_up``), as
+    #: Phi-3's checkpoints do (``qkv_proj``, ``gate_up_proj``).
+    fused_projections: bool = False
 
 
 @cache
 def architectures() -> dict[str, Architecture]:
     """Every architecture the engine runs, by name (each module declares its own)."""
-    from core_engine.model import llama, qwen2, qwen3
+    from core_engine.model import llama, phi3, qwen2, qwen3
 
-    return {a.name: a for a in (llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE)}
+    return {a.name: a for a in (llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE, phi3.ARCHITECTURE)}
 
 
 def architecture(name: str) -> Architecture | None:

@@ -24,14 +24,23 @@ from tests.core_engine.gguf_factory import build_tiny_vocab
 __all__ = ["ARCHITECTURES", "save_checkpoint", "tiny_hf_model", "vocab_size", "write_gguf"]
 
 #: The architectures the engine runs, as transformers builds them.
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
-_PRE = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen2"}
+_PRE = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen2", "phi3": "llama3"}
 _NUM_MERGES = 160
 
 
+def _vocab(arch: str) -> tuple[list[str], list[int], list[str]]:
+    """The tiny byte-level BPE vocabulary; Phi-3's also has its end-of-turn token ``<|end|>``
+    (llama.cpp looks it up by name for that architecture)."""
+    tokens, types, merges = build_tiny_vocab(_NUM_MERGES, _PRE[arch])
+    if arch == "phi3":
+        tokens, types = [*tokens, "<|end|>"], [*types, 3]
+    return tokens, types, merges
+
+
 def vocab_size(arch: str) -> int:
-    return len(build_tiny_vocab(_NUM_MERGES, _PRE[arch])[0])
+    return len(_vocab(arch)[0])
 
 
 def tiny_hf_model(arch: str, *, seed: int = 0) -> Any:
@@ -53,6 +62,11 @@ def tiny_hf_model(arch: str, *, seed: int = 0) -> Any:
         # head_dim 32 with hidden 64 and 4 heads: q is wider than the hidden size, as in Qwen3.
         config = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1_000_000.0, attention_bias=False)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "phi3":
+        config = transformers.Phi3Config(
+            **common, rope_theta=10000.0, sliding_window=None, pad_token_id=0, bos_token_id=0, eos_token_id=2
+        )
+        cls = transformers.Phi3ForCausalLM
     else:
         raise ValueError(f"no tiny {arch!r} model")
     config._attn_implementation = "eager"
@@ -83,11 +97,11 @@ def write_gguf(model: Any, path: str | Path) -> Path:
     path = Path(path)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    tokens, token_types, merges = build_tiny_vocab(_NUM_MERGES, _PRE[arch])
+    tokens, token_types, merges = _vocab(arch)
     assert len(tokens) == cfg.vocab_size
 
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f"tiny-random-{arch}")
+    writer.add_name("tiny-random")  # llama.cpp special-cases some names (a "phi3" one fails to load)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -126,7 +140,9 @@ def write_gguf(model: Any, path: str | Path) -> Path:
             "self_attn.v_proj.bias": "attn_v.bias",
             "self_attn.q_norm.weight": "attn_q_norm.weight",
             "self_attn.k_norm.weight": "attn_k_norm.weight",
+            "self_attn.qkv_proj.weight": "attn_qkv.weight",
             "self_attn.o_proj.weight": "attn_output.weight",
+            "mlp.gate_up_proj.weight": "ffn_up.weight",
             "post_attention_layernorm.weight": "ffn_norm.weight",
             "mlp.gate_proj.weight": "ffn_gate.weight",
             "mlp.up_proj.weight": "ffn_up.weight",
@@ -164,14 +180,15 @@ def save_checkpoint(model: Any, directory: str | Path) -> Path:
 
     directory = Path(directory)
     model.save_pretrained(str(directory), safe_serialization=True)
-    tokens, _, merges = build_tiny_vocab(_NUM_MERGES, _PRE[model.config.model_type])
+    tokens, _, merges = _vocab(model.config.model_type)
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(_QWEN2), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    specials = [*SPECIAL_TOKENS, *(["<|end|>"] if "<|end|>" in tokens else [])]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[2], "chat_template": FALLBACK_CHATML_TEMPLATE,

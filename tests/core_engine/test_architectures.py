@@ -112,7 +112,7 @@ def test_an_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> Non
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GGUFLoadError, match=r"'mamba' is not supported \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(GGUFLoadError, match=r"'mamba' is not supported \(supported: llama, phi3, qwen2, qwen3\)"):
         GGUFFile(tmp_path / "mamba.gguf").llama_config()
 
 

@@ -73,7 +73,9 @@ def test_the_tokenizer_is_the_checkpoints(checkpoint: tuple[str, object, Path]) 
     assert ours.encode("<|im_start|>", parse_special=True) == [1]
     assert 1 not in ours.encode("<|im_start|>")
     # eos from generation_config.json, plus <|endoftext|>: an end-of-generation text, as llama.cpp treats it.
-    assert ours.stop_token_ids == {0, 2} and ours.eos_token_id == 2 and ours.bos_token_id == 0
+    end = ours.token_to_id("<|end|>")  # Phi-3's end of turn, in its vocabulary only
+    assert ours.stop_token_ids == {0, 2, *([end] if end is not None else [])}
+    assert ours.eos_token_id == 2 and ours.bos_token_id == 0
     assert ours.decode([1, *ours.encode("hi")]) == "hi" and ours.decode([1], skip_special=False) == "<|im_start|>"
 
 
@@ -98,7 +100,7 @@ def test_a_checkpoint_directory_is_served_through_the_gateway(checkpoint: tuple[
 
 def test_an_unsupported_model_type_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "hidden_size": 64}))
-    with pytest.raises(HFLoadError, match=r"model_type 'gemma2' is not supported \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(HFLoadError, match=r"model_type 'gemma2' is not supported \(supported: llama, phi3, qwen2, qwen3\)"):
         hf_config(tmp_path)
     with pytest.raises(HFLoadError, match="no \\*.safetensors"):
         load_model(tmp_path, dtype=torch.float32)

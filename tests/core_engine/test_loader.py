@@ -85,8 +85,15 @@ def test_yarn_rope_scaling_is_refused(tmp_path: Path) -> None:
 
 
 def test_other_architecture_is_refused_by_name(tmp_path: Path) -> None:
+    path = write_llama_gguf(tmp_path / "gemma.gguf", spec=TinyLlamaSpec(architecture="gemma2"))
+    with pytest.raises(GGUFLoadError, match=r"architecture 'gemma2' is not supported \(supported: llama, phi3, qwen2, qwen3\)"):
+        load_model(path, show_progress=False)
+
+
+def test_a_tensor_the_architecture_needs_is_named_when_missing(tmp_path: Path) -> None:
+    # A phi3 file must hold the fused attn_qkv tensor (the llama-style q/k/v are not read).
     path = write_llama_gguf(tmp_path / "phi.gguf", spec=TinyLlamaSpec(architecture="phi3"))
-    with pytest.raises(GGUFLoadError, match="phi3"):
+    with pytest.raises(GGUFLoadError, match="blk.0.attn_qkv.weight is missing"):
         load_model(path, show_progress=False)
 
 
