@@ -95,8 +95,8 @@ def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaCo
         kind = scaling_cfg.get("rope_type") or scaling_cfg.get("type")
         if kind == "linear":
             scaling = RopeScaling(kind="linear", factor=float(scaling_cfg["factor"]))
-        elif kind not in (None, "default"):
-            raise HFLoadError(f"{directory}: RoPE scaling {kind!r} is not supported (only linear)")
+        elif kind not in (None, "default", "llama3"):  # llama3: per-pair factors, see _freq_factors
+            raise HFLoadError(f"{directory}: RoPE scaling {kind!r} is not supported (linear and llama3 are)")
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         raise HFLoadError(f"{directory}: partial RoPE is not supported")
     tied = bool(cfg.get("tie_word_embeddings", False)) or (tensors is not None and "lm_head.weight" not in tensors)
@@ -123,6 +123,22 @@ def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaCo
     )
 
 
+def _freq_factors(directory: Path, config: LlamaConfig) -> Tensor | None:
+    """Llama 3.1-style RoPE factors from config.json's ``rope_scaling`` (None otherwise)."""
+    from core_engine.model.rope import llama3_freq_factors
+
+    cfg = _config_json(directory)
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "llama3":
+        return None
+    return llama3_freq_factors(
+        config.rope_dim, config.rope_theta, factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_context=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
 def load_hf_model(
     path: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> tuple[LlamaModel, LlamaConfig, HFTokenizer]:
@@ -136,7 +152,9 @@ def load_hf_model(
                 config.num_layers, config.hidden_size, dtype, device)
     with torch.no_grad():
         bias = any(f"model.layers.0.self_attn.{n}.bias" in tensors for n in ("q_proj", "qkv_proj"))
-        model = LlamaModel(config, dtype=dtype, device=device, qkv_bias=bias)
+        model = LlamaModel(
+            config, dtype=dtype, device=device, qkv_bias=bias, rope_freq_factors=_freq_factors(directory, config)
+        )
         model.embed_tokens.copy_(tensors.get("model.embed_tokens.weight"))
         model.norm.copy_(tensors.get("model.norm.weight"))
         if not config.tie_word_embeddings:

@@ -7,7 +7,25 @@ from torch import Tensor, nn
 
 from core_engine.model.config import LlamaConfig
 
-__all__ = ["RotaryEmbedding", "apply_rotary"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "llama3_freq_factors"]
+
+
+def llama3_freq_factors(
+    rope_dim: int, theta: float, *, factor: float, low_freq_factor: float, high_freq_factor: float, original_context: int
+) -> Tensor:
+    """Llama 3.1's per-pair RoPE frequency divisors (``rope_type = "llama3"`` in a Hugging Face
+    config; what llama.cpp's converter writes as ``rope_freqs.weight``): pairs whose wavelength
+    is short against the original context keep their frequency, long ones are divided by
+    ``factor``, and the band between is interpolated."""
+    import math
+
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    between = 1.0 / ((1.0 - smooth) / factor + smooth)
+    out = torch.where(wavelen < high_wavelen, torch.ones_like(wavelen), torch.where(wavelen > low_wavelen, factor, between))
+    return out.float()
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -104,3 +104,31 @@ def test_an_unsupported_model_type_is_named(tmp_path: Path) -> None:
         hf_config(tmp_path)
     with pytest.raises(HFLoadError, match="no \\*.safetensors"):
         load_model(tmp_path, dtype=torch.float32)
+
+
+def test_llama3_rope_scaling_of_a_checkpoint_matches_transformers(tmp_path: Path) -> None:
+    # Llama 3.1's rope_type "llama3": per-pair frequency divisors. A short original context and
+    # a low theta put most pairs in the scaled and interpolated bands, so the factors matter.
+    import transformers
+
+    from tests.core_engine.hf_factory import vocab_size
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size("llama"), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_theta=500.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+    )
+    plain = tiny_hf_model("llama", seed=3)
+    config._attn_implementation = "eager"
+    scaled = transformers.LlamaForCausalLM(config).eval()
+    scaled.load_state_dict(plain.state_dict())
+    directory = save_checkpoint(scaled, tmp_path / "llama31")
+    model, cfg, _ = load_model(directory, dtype=torch.float32, show_progress=False)
+    with torch.inference_mode():
+        ours = model(torch.tensor(IDS), torch.arange(len(IDS)), ContiguousAttention(cfg.num_layers)).float()
+    with torch.no_grad():
+        theirs, unscaled = (m(torch.tensor([IDS])).logits[0].float() for m in (scaled, plain))
+    assert (ours - theirs).abs().max() <= 1e-3
+    assert (theirs - unscaled).abs().max() > 0.05  # the scaling changes the logits here
