@@ -20,6 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from core_engine.tokenizer.end_of_generation import END_OF_GENERATION_TEXTS
+
 __all__ = [
     "GGUFBPETokenizer",
     "HFTokenizer",
@@ -31,20 +33,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Texts of control tokens that end a turn in common chat formats (llama.cpp treats them as
-#: end-of-generation too, whatever the file's ``eos_token_id`` says).
-_END_OF_TURN_TEXTS = frozenset(
-    {
-        "<|endoftext|>",
-        "<|im_end|>",
-        "<|eot_id|>",
-        "<|eom_id|>",
-        "<|end_of_text|>",
-        "<|end|>",
-        "<end_of_turn>",
-        "<|return|>",
-    }
-)
+#: Texts of control tokens that end a turn (the list the core engine's tokenizers use too).
+_END_OF_TURN_TEXTS = END_OF_GENERATION_TEXTS
 
 
 class TextStream(Protocol):

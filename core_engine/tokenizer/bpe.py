@@ -15,17 +15,13 @@ from typing import Any
 
 from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate
 from core_engine.tokenizer.byte_level import decode_token_text, encode_bytes
+from core_engine.tokenizer.end_of_generation import END_OF_GENERATION_TEXTS
 from core_engine.tokenizer.pre_tokenizer import PreTokenizer, pre_tokenizer_type
 
 __all__ = ["TokenType", "Tokenizer", "TokenizerError"]
 
 # Token texts llama.cpp treats as end-of-generation whatever the metadata says.
-_EOG_TEXTS = frozenset(
-    {
-        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-        "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
-    }
-)
+_EOG_TEXTS = END_OF_GENERATION_TEXTS
 _MAX_CACHED_WORDS = 200_000
 
 

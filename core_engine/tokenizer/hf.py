@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate
-from core_engine.tokenizer.bpe import _EOG_TEXTS, TokenizerError, TokenType
+from core_engine.tokenizer.bpe import TokenizerError, TokenType
 from core_engine.tokenizer.byte_level import decode_token_text
+from core_engine.tokenizer.end_of_generation import END_OF_GENERATION_TEXTS
 
 __all__ = ["HFTokenizer"]
 
@@ -72,7 +73,7 @@ class HFTokenizer:
         stop = set(eos if isinstance(eos, list) else [eos]) - {None}
         if self.eos_token_id is None and stop:
             self.eos_token_id = min(stop)
-        for text in _EOG_TEXTS:  # end-of-turn markers stop generation, as for GGUF vocabularies
+        for text in END_OF_GENERATION_TEXTS:  # end-of-turn markers stop generation, as for GGUF vocabularies
             token_id_ = self._tok.token_to_id(text)
             if token_id_ is not None and token_id_ in self._special:
                 stop.add(token_id_)

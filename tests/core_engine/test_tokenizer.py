@@ -133,3 +133,13 @@ def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path: Path) -> None:
 def test_an_unsupported_tokenizer_model_is_refused_with_the_supported_ones() -> None:
     with pytest.raises(TokenizerError, match=r"'t5' is not supported \(supported: 'gpt2' .*'llama' SentencePiece"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "t5"})
+
+
+def test_every_backend_that_reads_a_vocabulary_stops_on_the_same_end_of_turn_texts() -> None:
+    from backends.mlx import tokenizer as mlx_tokenizer
+    from core_engine.tokenizer import bpe, hf
+    from core_engine.tokenizer.end_of_generation import END_OF_GENERATION_TEXTS
+
+    assert mlx_tokenizer._END_OF_TURN_TEXTS is END_OF_GENERATION_TEXTS
+    assert bpe._EOG_TEXTS is END_OF_GENERATION_TEXTS and hf.END_OF_GENERATION_TEXTS is END_OF_GENERATION_TEXTS
+    assert {"<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"} <= END_OF_GENERATION_TEXTS
