@@ -174,11 +174,20 @@ class GGUFFile:
         vocab_size = int(self._arch_key("vocab_size", len(tokens) if tokens else embed_rows))
         if vocab_size != embed_rows:
             raise GGUFLoadError(f"{self.path}: vocab_size {vocab_size} != token_embd rows {embed_rows}")
+        moe = {}
+        if self.arch_spec.moe:
+            moe = {
+                "num_experts": int(self._arch_key("expert_count", required=True)),
+                "num_experts_used": int(self._arch_key("expert_used_count", required=True)),
+                "expert_intermediate_size": int(self._arch_key("expert_feed_forward_length", required=True)),
+            }
+        inter = self._arch_key("feed_forward_length", moe.get("expert_intermediate_size"), required=not moe)
         return LlamaConfig(
+            **moe,
             architecture=arch,
             vocab_size=vocab_size,
             hidden_size=hidden,
-            intermediate_size=int(self._arch_key("feed_forward_length", required=True)),
+            intermediate_size=int(inter),
             num_layers=int(self._arch_key("block_count", required=True)),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -304,12 +313,20 @@ def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
     layer.attn_norm.copy_(gguf_file.dequantized(prefix + "attn_norm.weight"))
     layer.ffn_norm.copy_(gguf_file.dequantized(prefix + "ffn_norm.weight"))
     inter = cfg.intermediate_size
-    if fused:  # gate|up in one tensor
+    if cfg.num_experts:  # mixture of experts: the router and the stacked experts
+        layer.router.copy_(gguf_file.dequantized(prefix + "ffn_gate_inp.weight"))
+        layer.experts_gate_up.copy_(torch.cat(
+            (gguf_file.dequantized(prefix + "ffn_gate_exps.weight"), gguf_file.dequantized(prefix + "ffn_up_exps.weight")),
+            dim=1,
+        ))
+        layer.experts_down.copy_(gguf_file.dequantized(prefix + "ffn_down_exps.weight"))
+    elif fused:  # gate|up in one tensor
         layer.gate_up_proj.copy_(gguf_file.dequantized(prefix + "ffn_up.weight"))
     else:
         layer.gate_up_proj[:inter].copy_(gguf_file.dequantized(prefix + "ffn_gate.weight"))
         layer.gate_up_proj[inter:].copy_(gguf_file.dequantized(prefix + "ffn_up.weight"))
-    layer.down_proj.copy_(gguf_file.dequantized(prefix + "ffn_down.weight"))
+    if not cfg.num_experts:
+        layer.down_proj.copy_(gguf_file.dequantized(prefix + "ffn_down.weight"))
 
 
 def load_model(

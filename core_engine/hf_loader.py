@@ -69,12 +69,16 @@ def _config_json(directory: Path) -> dict[str, Any]:
         raise HFLoadError(f"{directory}/config.json is not readable JSON: {exc}") from exc
 
 
+#: config.json model_type -> the architecture's (GGUF) name where they differ.
+_HF_MODEL_TYPES = {"qwen3_moe": "qwen3moe"}
+
+
 def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaConfig:
     """:class:`LlamaConfig` from ``config.json``; HFLoadError naming an unsupported field."""
     directory = Path(directory)
     cfg = _config_json(directory)
     model_type = cfg.get("model_type")
-    spec = architecture(str(model_type))
+    spec = architecture(_HF_MODEL_TYPES.get(str(model_type), str(model_type)))
     if spec is None:
         raise HFLoadError(
             f"{directory}: model_type {model_type!r} is not supported (supported: {', '.join(sorted(architectures()))})"
@@ -99,9 +103,19 @@ def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaCo
             raise HFLoadError(f"{directory}: RoPE scaling {kind!r} is not supported (linear and llama3 are)")
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         raise HFLoadError(f"{directory}: partial RoPE is not supported")
+    moe: dict[str, int] = {}
+    if spec.moe:
+        if not cfg.get("norm_topk_prob", True) or cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise HFLoadError(f"{directory}: only MoE checkpoints with experts in every layer and norm_topk_prob are supported")
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
+        if not experts:
+            raise HFLoadError(f"{directory}/config.json lacks 'num_experts'")
+        moe = {"num_experts": int(experts), "num_experts_used": int(need("num_experts_per_tok")),
+               "expert_intermediate_size": int(need("moe_intermediate_size"))}
     tied = bool(cfg.get("tie_word_embeddings", False)) or (tensors is not None and "lm_head.weight" not in tensors)
     eos = cfg.get("eos_token_id")
     return LlamaConfig(
+        **moe,
         architecture=spec.name,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
@@ -179,12 +193,26 @@ def load_hf_model(
             layer.attn_norm.copy_(tensors.get(p + "input_layernorm.weight"))
             layer.ffn_norm.copy_(tensors.get(p + "post_attention_layernorm.weight"))
             inter = config.intermediate_size
-            if fused:
+            if config.num_experts:  # stacked experts (transformers 5) or one module per expert
+                mlp = p + "mlp."
+                layer.router.copy_(tensors.get(mlp + "gate.weight"))
+                if mlp + "experts.gate_up_proj" in tensors:
+                    layer.experts_gate_up.copy_(tensors.get(mlp + "experts.gate_up_proj"))
+                    layer.experts_down.copy_(tensors.get(mlp + "experts.down_proj"))
+                else:
+                    for e in range(config.num_experts):
+                        ex = f"{mlp}experts.{e}."
+                        layer.experts_gate_up[e].copy_(
+                            torch.cat((tensors.get(ex + "gate_proj.weight"), tensors.get(ex + "up_proj.weight")))
+                        )
+                        layer.experts_down[e].copy_(tensors.get(ex + "down_proj.weight"))
+            elif fused:
                 layer.gate_up_proj.copy_(tensors.get(p + "mlp.gate_up_proj.weight"))
             else:
                 layer.gate_up_proj[:inter].copy_(tensors.get(p + "mlp.gate_proj.weight"))
                 layer.gate_up_proj[inter:].copy_(tensors.get(p + "mlp.up_proj.weight"))
-            layer.down_proj.copy_(tensors.get(p + "mlp.down_proj.weight"))
+            if not config.num_experts:
+                layer.down_proj.copy_(tensors.get(p + "mlp.down_proj.weight"))
     model.eval()
     logger.info("loaded %s in %.1f s", directory.name, time.perf_counter() - started)
     return model, config, tokenizer

@@ -29,14 +29,18 @@ class Architecture:
     #: The file holds q|k|v as one tensor (``attn_qkv``) and gate|up as one (``ffn_up``), as
     #: Phi-3's checkpoints do (``qkv_proj``, ``gate_up_proj``).
     fused_projections: bool = False
+    #: Mixture-of-experts FFN (``ffn_gate_inp``, ``ffn_{gate,up,down}_exps``).
+    moe: bool = False
 
 
 @cache
 def architectures() -> dict[str, Architecture]:
     """Every architecture the engine runs, by name (each module declares its own)."""
-    from core_engine.model import llama, phi3, qwen2, qwen3
+    from core_engine.model import llama, phi3, qwen2, qwen3, qwen3moe
 
-    return {a.name: a for a in (llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE, phi3.ARCHITECTURE)}
+    return {a.name: a for a in (
+        llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE, qwen3moe.ARCHITECTURE, phi3.ARCHITECTURE,
+    )}
 
 
 def architecture(name: str) -> Architecture | None:

@@ -36,6 +36,11 @@ class LlamaConfig(msgspec.Struct, kw_only=True, frozen=True):
     rms_eps: float
     #: Per-head RMSNorm of q and k before RoPE (Qwen3).
     qk_norm: bool = False
+    #: Mixture of experts (Qwen3-MoE): experts per layer (0: a dense FFN), used per token, and
+    #: each expert's intermediate size.
+    num_experts: int = 0
+    num_experts_used: int = 0
+    expert_intermediate_size: int = 0
     #: Trained context length (``{arch}.context_length``); the engine's default max length.
     context_length: int
     #: True when the file has no ``output.weight``: the LM head reuses the token embedding.

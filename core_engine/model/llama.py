@@ -71,6 +71,9 @@ _weight = layer_weight
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block: ``x += o(attn(rope(qkv(norm(x)))))``; ``x += down(silu(g) * u)``."""
 
+    #: The products :meth:`LlamaModel.set_weight_format` stores (names of attributes).
+    PRODUCTS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+
     def __init__(
         self, config: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str, qkv_bias: bool
     ) -> None:
@@ -116,8 +119,16 @@ class LlamaDecoderLayer(nn.Module):
             layer_idx, qkv[:, : self.num_heads], qkv[:, self.num_heads : heads_qk], qkv[:, heads_qk:]
         )
         x = self.o.add_to(x, out.reshape(num_tokens, self.q_size))  # x + out @ o_proj.T: (T, hidden)
+        return self.feed_forward(x)
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        """``x + down(silu(gate) * up)`` of the normed ``x`` (T, hidden)."""
         gate_up = self.gate_up.normed(x, self.ffn_norm, self.rms_eps)  # (T, 2 inter): gate | up
         return self.down.swiglu_add_to(x, gate_up)  # x + (silu(gate) * up) @ down.T: (T, hidden)
+
+    def other_weight_bytes(self) -> int:
+        """Bytes of matmul weights outside the products (MoE experts); 0 here."""
+        return 0
 
 
 class LlamaModel(nn.Module):
@@ -144,12 +155,15 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         layer_class = self.decoder_layer_class
-        if config.qk_norm:
+        if config.qk_norm or config.num_experts:
+            from core_engine.model.moe import MoEDecoderLayer
             from core_engine.model.qwen3 import QKNormDecoderLayer
 
             if layer_class is not LlamaDecoderLayer:
-                raise ValueError(f"{type(self).__name__} has no layers with q/k norms")
-            layer_class = QKNormDecoderLayer
+                raise ValueError(f"{type(self).__name__} has no layers with q/k norms or experts")
+            if config.num_experts and not config.qk_norm:
+                raise ValueError("MoE layers are built for the qwen3moe architecture (q/k norms) only")
+            layer_class = MoEDecoderLayer if config.num_experts else QKNormDecoderLayer
         self.layers = nn.ModuleList(
             layer_class(config, dtype=dtype, device=device, qkv_bias=qkv_bias) for _ in range(config.num_layers)
         )
@@ -168,12 +182,13 @@ class LlamaModel(nn.Module):
         #: The file's blocks for the int4/int8 formats (set by the GGUF loader).
         self.block_source: BlockSource | None = None
 
-    #: The names :meth:`set_weight_format` matches ``layer_formats`` against.
-    PRODUCTS = ("qkv", "o", "gate_up", "down")
+    #: The names :meth:`set_weight_format` matches ``layer_formats`` against (per layer: the
+    #: layer class's ``PRODUCTS``; MoE layers have no gate_up/down products).
+    PRODUCTS = LlamaDecoderLayer.PRODUCTS
 
     def product_names(self) -> list[str]:
         """``layers.{i}.{qkv,o,gate_up,down}`` for every layer, then ``head``."""
-        return [f"layers.{i}.{p}" for i in range(len(self.layers)) for p in self.PRODUCTS] + ["head"]
+        return [f"layers.{i}.{p}" for i, layer in enumerate(self.layers) for p in layer.PRODUCTS] + ["head"]
 
     def set_weight_format(
         self,
@@ -235,8 +250,8 @@ class LlamaModel(nn.Module):
 
     def matmul_weight_bytes(self) -> int:
         """Bytes of projection and LM-head weight one forward step reads (a decode roofline)."""
-        layers = sum(lin.nbytes for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        return layers + self.head.nbytes
+        layers = sum(getattr(layer, p).nbytes for layer in self.layers for p in layer.PRODUCTS)
+        return layers + sum(layer.other_weight_bytes() for layer in self.layers) + self.head.nbytes
 
     def resident_weight_bytes(self) -> int:
         """Bytes of every weight the model holds: products, embedding table, norms, RoPE."""

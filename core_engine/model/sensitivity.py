@@ -57,7 +57,7 @@ def _log_probs(model: Any, ids: Tensor) -> Tensor:
 
 def _groups(model: Any) -> dict[str, list[str]]:
     """Layer name -> its product names (a decoder layer's four, or the head)."""
-    groups = {f"layers.{i}": [f"layers.{i}.{p}" for p in model.PRODUCTS] for i in range(len(model.layers))}
+    groups = {f"layers.{i}": [f"layers.{i}.{p}" for p in model.layers[i].PRODUCTS] for i in range(len(model.layers))}
     groups["head"] = ["head"]
     return groups
 

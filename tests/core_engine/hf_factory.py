@@ -24,9 +24,11 @@ from tests.core_engine.gguf_factory import build_tiny_vocab
 __all__ = ["ARCHITECTURES", "save_checkpoint", "tiny_hf_model", "vocab_size", "write_gguf"]
 
 #: The architectures the engine runs, as transformers builds them.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe")
 
-_PRE = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen2", "phi3": "llama3"}
+_PRE = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen2", "phi3": "llama3", "qwen3moe": "qwen2"}
+#: transformers' model_type -> the GGUF architecture name.
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe"}
 _NUM_MERGES = 160
 
 
@@ -62,6 +64,13 @@ def tiny_hf_model(arch: str, *, seed: int = 0) -> Any:
         # head_dim 32 with hidden 64 and 4 heads: q is wider than the hidden size, as in Qwen3.
         config = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1_000_000.0, attention_bias=False)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3moe":
+        # 4 experts of 32, 2 per token: the router's choice varies across tokens and positions.
+        config = transformers.Qwen3MoeConfig(
+            **common, head_dim=16, rope_theta=1_000_000.0, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        )
+        cls = transformers.Qwen3MoeForCausalLM
     elif arch == "phi3":
         config = transformers.Phi3Config(
             **common, rope_theta=10000.0, sliding_window=None, pad_token_id=0, bos_token_id=0, eos_token_id=2
@@ -93,7 +102,7 @@ def _permute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
 def write_gguf(model: Any, path: str | Path) -> Path:
     """``model``'s weights (F32) and config as a GGUF llama.cpp and the engine both load."""
     cfg = model.config
-    arch = cfg.model_type
+    arch = _GGUF_ARCH.get(cfg.model_type, cfg.model_type)
     path = Path(path)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -106,6 +115,10 @@ def write_gguf(model: Any, path: str | Path) -> Path:
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
+    if arch == "qwen3moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
@@ -157,6 +170,12 @@ def write_gguf(model: Any, path: str | Path) -> Path:
             elif permute and hf_name.startswith("self_attn.k_proj"):
                 tensor = _permute_qk(tensor, kv_heads)
             writer.add_tensor(dst + gguf_name, np.ascontiguousarray(tensor))
+        if src + "mlp.gate.weight" in state:  # experts, stacked (E, rows, cols) as llama.cpp stores them
+            gate, up = np.split(state[src + "mlp.experts.gate_up_proj"], 2, axis=1)
+            writer.add_tensor(dst + "ffn_gate_inp.weight", state[src + "mlp.gate.weight"])
+            writer.add_tensor(dst + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(dst + "ffn_up_exps.weight", np.ascontiguousarray(up))
+            writer.add_tensor(dst + "ffn_down_exps.weight", state[src + "mlp.experts.down_proj"])
     writer.add_tensor("output_norm.weight", state["model.norm.weight"])
     if not cfg.tie_word_embeddings:
         writer.add_tensor("output.weight", state["lm_head.weight"])
@@ -180,7 +199,7 @@ def save_checkpoint(model: Any, directory: str | Path) -> Path:
 
     directory = Path(directory)
     model.save_pretrained(str(directory), safe_serialization=True)
-    tokens, _, merges = _vocab(model.config.model_type)
+    tokens, _, merges = _vocab(_GGUF_ARCH.get(model.config.model_type, model.config.model_type))
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Sequence(

@@ -100,7 +100,7 @@ def test_a_checkpoint_directory_is_served_through_the_gateway(checkpoint: tuple[
 
 def test_an_unsupported_model_type_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "hidden_size": 64}))
-    with pytest.raises(HFLoadError, match=r"model_type 'gemma2' is not supported \(supported: llama, phi3, qwen2, qwen3\)"):
+    with pytest.raises(HFLoadError, match=r"model_type 'gemma2' is not supported \(supported: llama, phi3, qwen2, qwen3, qwen3moe\)"):
         hf_config(tmp_path)
     with pytest.raises(HFLoadError, match="no \\*.safetensors"):
         load_model(tmp_path, dtype=torch.float32)

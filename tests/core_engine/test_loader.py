@@ -86,7 +86,7 @@ def test_yarn_rope_scaling_is_refused(tmp_path: Path) -> None:
 
 def test_other_architecture_is_refused_by_name(tmp_path: Path) -> None:
     path = write_llama_gguf(tmp_path / "gemma.gguf", spec=TinyLlamaSpec(architecture="gemma2"))
-    with pytest.raises(GGUFLoadError, match=r"architecture 'gemma2' is not supported \(supported: llama, phi3, qwen2, qwen3\)"):
+    with pytest.raises(GGUFLoadError, match=r"architecture 'gemma2' is not supported \(supported: llama, phi3, qwen2, qwen3, qwen3moe\)"):
         load_model(path, show_progress=False)
 
 
