@@ -243,7 +243,9 @@ def main() -> None:
         plan = plans[key]
         # dtype float32 on a bf16 CPU: plan rows are per compute dtype; the weights set the roofline.
         kv = kv_name if any(r.kv_dtype == kv_name for r in plan.rows) else plan.device.compute_dtype
-        return plan.row(engine_format, kv)
+        # The engine at weight_format "auto" (the file's 8-bit tensors at int8): the plan's auto row.
+        mixed = args.weight_format == "auto" and engine.model_runner.model.layer_formats
+        return plan.row("auto" if mixed else engine_format, kv)
 
     def roofline(batch: int, weight_bytes: float) -> float:
         step = max(

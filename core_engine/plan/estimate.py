@@ -62,6 +62,11 @@ class WeightInventory(msgspec.Struct, frozen=True, kw_only=True):
     #: Norm weights and biases (kept in the compute dtype).
     vector_params: int
     tied_embeddings: bool
+    #: Layer products whose file tensors are not 4-bit blocks: ``weight_format = "auto"``
+    #: stores them at int8 (the file's own precision) where the rest goes to int4.
+    eight_bit_layer_params: int = 0
+    #: Whether the head's tensor is not 4-bit blocks (SmolLM2's Q4_1 file keeps a Q8_0 head).
+    eight_bit_head: bool = False
 
     @property
     def matmul_params(self) -> int:
@@ -121,12 +126,26 @@ def kv_bytes_per_token(config: LlamaConfig, kv_dtype: str, block_size: int) -> f
     return kv_bytes_per_block(config, kv_dtype, block_size) / block_size
 
 
+#: ``weight_format`` of the planned rows that store each product in its file's precision:
+#: what ``"auto"`` resolves to per product on a CPU (int4 for 4-bit blocks, int8 otherwise).
+NATURAL = "auto"
+
+
+def _product_bytes(weights: WeightInventory, weight_format: str, dtype: str) -> tuple[int, int]:
+    """Bytes of the layer products and of the head in ``weight_format`` (or :data:`NATURAL`)."""
+    if weight_format == NATURAL:
+        four, eight = bytes_per_weight("int4"), bytes_per_weight("int8")
+        layers = round((weights.layer_params - weights.eight_bit_layer_params) * four
+                       + weights.eight_bit_layer_params * eight)
+        return layers, round(weights.head_params * (eight if weights.eight_bit_head else four))
+    per_weight = bytes_per_weight(weight_format, _dtype(dtype))
+    return round(weights.layer_params * per_weight), round(weights.head_params * per_weight)
+
+
 def weight_bytes(weights: WeightInventory, weight_format: str, dtype: str) -> int:
     """Bytes of every resident weight with the products in ``weight_format``."""
     dense = _dtype(dtype).itemsize
-    per_weight = bytes_per_weight(weight_format, _dtype(dtype))
-    products = round(weights.layer_params * per_weight)
-    head = round(weights.head_params * per_weight)
+    products, head = _product_bytes(weights, weight_format, dtype)
     if weights.tied_embeddings and weight_format == "dense":
         head = 0  # the head multiplies the embedding table itself
     return products + head + weights.embedding_params * dense + weights.vector_params * dense
@@ -134,9 +153,8 @@ def weight_bytes(weights: WeightInventory, weight_format: str, dtype: str) -> in
 
 def weight_bytes_read_per_step(weights: WeightInventory, weight_format: str, dtype: str) -> int:
     """Bytes of weight one decode step reads: every product once, and the norms."""
-    per_weight = bytes_per_weight(weight_format, _dtype(dtype))
-    products = round(weights.layer_params * per_weight) + round(weights.head_params * per_weight)
-    return products + weights.vector_params * _dtype(dtype).itemsize
+    layers, head = _product_bytes(weights, weight_format, dtype)
+    return layers + head + weights.vector_params * _dtype(dtype).itemsize
 
 
 def max_concurrency(usable_bytes: int, weight_bytes: int, kv_bytes_per_request: int) -> int:
@@ -152,6 +170,7 @@ def row_dtype(spec: DeviceSpec, weight_format: str) -> str:
 def _decode_rate(spec: DeviceSpec, weight_format: str) -> Figure | None:
     """Matmul ops/s of a decode step. CPU: int8/int4 products are int8 dot products; GPU:
     weight-only formats, dequantised to the compute dtype in the kernel."""
+    weight_format = "int4" if weight_format == NATURAL else weight_format  # its kernel's figures
     if spec.kind == "cpu" and weight_format in ("int8", "int4"):
         return spec.kernel_ops.get(weight_format, spec.int8_ops)
     return spec.flops.get(row_dtype(spec, weight_format))
@@ -173,6 +192,7 @@ def _prefill_rate(spec: DeviceSpec, weight_format: str) -> Figure | None:
     """Matmul FLOP/s of prefill: the compute dtype's, where the CPU int8/int4 kernels multiply
     prompt chunks with dequantised weight tiles through ``at::mm``; else (``tile_prefill``
     false) the int8 dot products' rate."""
+    weight_format = "int4" if weight_format == NATURAL else weight_format
     if spec.kind == "cpu" and weight_format in ("int8", "int4") and not spec.tile_prefill:
         return spec.kernel_ops.get(weight_format, spec.int8_ops)
     return spec.flops.get(row_dtype(spec, weight_format))
@@ -219,7 +239,7 @@ def estimate_row(
 
     # Batch 1 on a CPU: the engine's kernel reading the weights, where measured (it reaches
     # ~0.8 of the read bandwidth), else the bandwidth itself.
-    stream = spec.kernel_stream.get(weight_format) if spec.kind == "cpu" else None
+    stream = spec.kernel_stream.get("int4" if weight_format == NATURAL else weight_format) if spec.kind == "cpu" else None
 
     def memory_bound(num_seqs: int) -> float | None:
         if bandwidth is None:

@@ -10,13 +10,21 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
 
 from core_engine.model.config import LlamaConfig
 from core_engine.plan.devices import DEVICE_NAMES, DeviceSpec, named_device
-from core_engine.plan.estimate import PlanRow, WeightInventory, estimate_row, kv_dtypes, row_dtype
+from core_engine.plan.estimate import (
+    NATURAL,
+    PlanRow,
+    WeightInventory,
+    estimate_row,
+    kv_dtypes,
+    row_dtype,
+)
 
 __all__ = ["Plan", "PlanChoice", "PlanError", "PlanInputs", "plan_model", "resolve_model_file"]
 
@@ -80,7 +88,11 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
         """The row of ``weight_format`` x ``kv_dtype``; "auto" means what the policy chose
         (the KV's "auto": the compute dtype of that format). PlanError if not planned."""
         if weight_format == "auto":
-            weight_format = self.choice.weight_format
+            natural = any(r.weight_format == NATURAL for r in self.rows)
+            if natural and self.choice.weight_format == "int4" and self.choice.weight_reason.startswith("auto"):
+                weight_format = NATURAL  # the row that holds the file's 8-bit tensors at int8
+            else:
+                weight_format = self.choice.weight_format
         if kv_dtype == "auto":
             kv_dtype = row_dtype(self.device, weight_format)
         for row in self.rows:
@@ -121,17 +133,29 @@ def _read_model(path: str, mtime_ns: int, size: int) -> _ModelFacts:
 
     gguf_file = GGUFFile(path)
     config = gguf_file.llama_config()
-    layer = head = embedding = vector = 0
+    from gguf import GGMLQuantizationType
+
+    from core_engine.model.block_weights import is_exact
+
+    def eight_bit(tensor: Any) -> bool:
+        return not is_exact("int4", GGMLQuantizationType(tensor.tensor_type))
+
+    layer = head = embedding = vector = eight_bit_layer = 0
+    head_eight_bit = False
     for tensor in gguf_file.reader.tensors:
         count = int(tensor.n_elements)
         if tensor.name == "token_embd.weight":
             embedding = count
+            if config.tie_word_embeddings:
+                head_eight_bit = eight_bit(tensor)
         elif tensor.name == "output.weight":
             head = count
+            head_eight_bit = eight_bit(tensor)
         elif tensor.name == "rope_freqs.weight":
             continue  # folded into the RoPE tables, not a weight the model holds
         elif sum(1 for n in tensor.shape.tolist() if n > 1) >= 2:
             layer += count
+            eight_bit_layer += count if eight_bit(tensor) else 0
         else:
             vector += count
     weights = WeightInventory(
@@ -140,8 +164,20 @@ def _read_model(path: str, mtime_ns: int, size: int) -> _ModelFacts:
         embedding_params=embedding,
         vector_params=vector,
         tied_embeddings=config.tie_word_embeddings,
+        eight_bit_layer_params=eight_bit_layer,
+        eight_bit_head=head_eight_bit,
     )
     return _ModelFacts(config, weights, gguf_file.file_type)
+
+
+def _natural_row(spec: DeviceSpec, facts: _ModelFacts) -> tuple[str, ...]:
+    """``("auto",)`` where ``weight_format = "auto"`` stores the products in their file's
+    precision (a 4-bit file on a CPU: int4, with the file's 8-bit tensors at int8)."""
+    from core_engine.model.formats import auto_weight_format
+
+    auto = auto_weight_format(spec.kind, getattr(torch, spec.compute_dtype), facts.file_type, family=spec.cpu_family)  # type: ignore[arg-type]
+    mixed = facts.weights.eight_bit_head or 0 < facts.weights.eight_bit_layer_params < facts.weights.layer_params
+    return (NATURAL,) if spec.kind == "cpu" and auto.weight_format == "int4" and mixed else ()
 
 
 def _kv_block_size() -> int:
@@ -261,7 +297,7 @@ def plan_model(
     rows = tuple(
         estimate_row(config=config, weights=facts.weights, spec=spec, weight_format=fmt, kv_dtype=kv,
                      context=context, concurrency=concurrency, usable_memory_bytes=usable, block_size=block_size)
-        for fmt in spec.weight_formats
+        for fmt in (*spec.weight_formats, *_natural_row(spec, facts))
         for kv in kv_dtypes(spec)
     )
     inputs = PlanInputs(model_path=str(path), device=device, context=context, concurrency=concurrency,

@@ -75,7 +75,8 @@ _HEADER = ("  FORMAT", "KV", "WEIGHTS", "KV/TOKEN", "KV/REQUEST", "MAX CONC.")
 def _table(plan: Plan) -> list[str]:
     concurrency = plan.inputs.concurrency
     header = (*_HEADER, "DECODE@1 tok/s", f"DECODE@{concurrency} tok/s", "PREFILL tok/s")
-    chosen = plan.row(plan.choice.weight_format, plan.choice.kv_dtype)
+    auto = plan.choice.weight_reason.startswith("auto")
+    chosen = plan.row("auto" if auto else plan.choice.weight_format, plan.choice.kv_dtype)
     cells: list[tuple[str, ...]] = [header]
     for row in plan.rows:
         cells.append(_cells(row, mark=row is chosen))

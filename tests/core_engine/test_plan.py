@@ -113,7 +113,8 @@ def test_decode_is_the_lesser_bound_and_says_which(cpu_plan: Plan, h100_plan: Pl
                                     (32, row.decode_tok_s_concurrency, row.bound_concurrency)):
                 kv_read = n * row.kv_bytes_per_token * 8192 / 2
                 memory = n * bandwidth.value / (row.weight_bytes_read_per_step + kv_read)
-                stream = plan.device.kernel_stream.get(row.weight_format)
+                # "auto": the file's own precisions, timed with the int4 kernel's figures
+                stream = plan.device.kernel_stream.get("int4" if row.weight_format == "auto" else row.weight_format)
                 if n == 1 and stream is not None:  # batch 1 on a CPU: the kernel's own read rate
                     memory = 1 / (row.weight_bytes_read_per_step / min(bandwidth.value, stream.value)
                                   + kv_read / bandwidth.value)
@@ -193,8 +194,10 @@ def test_cli_text_names_every_format_and_the_choice(cpu_plan: Plan, capsys: pyte
     table = [line.split() for line in lines[start : lines.index("", start)]]
     assert len(table) == len(cpu_plan.rows)
     formats = {cells[1] if cells[0] == "*" else cells[0] for cells in table}
-    assert formats == set(cpu_plan.device.weight_formats)
+    # ... and "auto": SmolLM2's Q4_1 file with its Q8_0 head, as the engine's default holds it.
+    assert formats == {*cpu_plan.device.weight_formats, "auto"}
     assert sum(cells[0] == "*" for cells in table) == 1
+    assert next(cells for cells in table if cells[0] == "*")[1] == "auto"
     choice = next(line for line in out.splitlines() if line.startswith("choice"))
     assert f"{cpu_plan.choice.weight_format} weights" in choice
     assert cpu_plan.choice.weight_reason in out
@@ -262,7 +265,11 @@ def test_a_loaded_engines_weight_and_kv_memory_are_within_10_percent_of_the_plan
     )
     model, cache = engine.model_runner.model, engine.model_runner.kv_cache
     kv_name = str(cache.dtype).removeprefix("torch.") if kv_dtype == "auto" else kv_dtype
-    row = cpu_plan.row(model.weight_format, kv_name)
+    # The engine's default ("auto"): the file's 4-bit blocks at int4, its Q8_0 head at int8.
+    assert model.weight_format == "int4" and model.layer_formats == {"head": "int8"}
+    row = cpu_plan.row("auto", kv_name)
+    assert row.weight_format == "auto" and row.weight_bytes > cpu_plan.row("int4", kv_name).weight_bytes
     assert row.weight_bytes == pytest.approx(model.resident_weight_bytes(), rel=0.10)
+    assert row.weight_bytes_read_per_step == pytest.approx(model.matmul_weight_bytes(), rel=0.10)
     per_token = cache.nbytes / (cache.num_blocks * cache.block_size)
     assert row.kv_bytes_per_token == pytest.approx(per_token, rel=0.10)
