@@ -175,11 +175,12 @@ class GGUFFile:
         if vocab_size != embed_rows:
             raise GGUFLoadError(f"{self.path}: vocab_size {vocab_size} != token_embd rows {embed_rows}")
         moe = {}
-        if self.arch_spec.moe:
+        if self.arch_spec.moe or self._arch_key("expert_count"):  # qwen3moe; llama files with experts (Mixtral)
+            expert_ff = self._arch_key("expert_feed_forward_length") or self._arch_key("feed_forward_length", required=True)
             moe = {
                 "num_experts": int(self._arch_key("expert_count", required=True)),
                 "num_experts_used": int(self._arch_key("expert_used_count", required=True)),
-                "expert_intermediate_size": int(self._arch_key("expert_feed_forward_length", required=True)),
+                "expert_intermediate_size": int(expert_ff),
             }
         inter = self._arch_key("feed_forward_length", moe.get("expert_intermediate_size"), required=not moe)
         return LlamaConfig(

@@ -70,7 +70,7 @@ def _config_json(directory: Path) -> dict[str, Any]:
 
 
 #: config.json model_type -> the architecture's (GGUF) name where they differ.
-_HF_MODEL_TYPES = {"qwen3_moe": "qwen3moe"}
+_HF_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaConfig:
@@ -104,14 +104,14 @@ def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaCo
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         raise HFLoadError(f"{directory}: partial RoPE is not supported")
     moe: dict[str, int] = {}
-    if spec.moe:
+    if spec.moe or model_type == "mixtral":
         if not cfg.get("norm_topk_prob", True) or cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise HFLoadError(f"{directory}: only MoE checkpoints with experts in every layer and norm_topk_prob are supported")
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
         if not experts:
             raise HFLoadError(f"{directory}/config.json lacks 'num_experts'")
         moe = {"num_experts": int(experts), "num_experts_used": int(need("num_experts_per_tok")),
-               "expert_intermediate_size": int(need("moe_intermediate_size"))}
+               "expert_intermediate_size": int(cfg.get("moe_intermediate_size") or need("intermediate_size"))}
     tied = bool(cfg.get("tie_word_embeddings", False)) or (tensors is not None and "lm_head.weight" not in tensors)
     eos = cfg.get("eos_token_id")
     return LlamaConfig(
@@ -195,6 +195,14 @@ def load_hf_model(
             inter = config.intermediate_size
             if config.num_experts:  # stacked experts (transformers 5) or one module per expert
                 mlp = p + "mlp."
+                if mlp + "gate.weight" not in tensors:  # Mixtral's hub checkpoints: w1 gate, w3 up, w2 down
+                    moe = p + "block_sparse_moe."
+                    layer.router.copy_(tensors.get(moe + "gate.weight"))
+                    for e in range(config.num_experts):
+                        ex = f"{moe}experts.{e}."
+                        layer.experts_gate_up[e].copy_(torch.cat((tensors.get(ex + "w1.weight"), tensors.get(ex + "w3.weight"))))
+                        layer.experts_down[e].copy_(tensors.get(ex + "w2.weight"))
+                    continue
                 layer.router.copy_(tensors.get(mlp + "gate.weight"))
                 if mlp + "experts.gate_up_proj" in tensors:
                     layer.experts_gate_up.copy_(tensors.get(mlp + "experts.gate_up_proj"))

@@ -156,14 +156,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         layer_class = self.decoder_layer_class
         if config.qk_norm or config.num_experts:
-            from core_engine.model.moe import MoEDecoderLayer
+            from core_engine.model.moe import MoEDecoderLayer, QKNormMoEDecoderLayer
             from core_engine.model.qwen3 import QKNormDecoderLayer
 
             if layer_class is not LlamaDecoderLayer:
                 raise ValueError(f"{type(self).__name__} has no layers with q/k norms or experts")
-            if config.num_experts and not config.qk_norm:
-                raise ValueError("MoE layers are built for the qwen3moe architecture (q/k norms) only")
-            layer_class = MoEDecoderLayer if config.num_experts else QKNormDecoderLayer
+            layer_class = {
+                (True, True): QKNormMoEDecoderLayer, (False, True): MoEDecoderLayer, (True, False): QKNormDecoderLayer,
+            }[(config.qk_norm, bool(config.num_experts))]
         self.layers = nn.ModuleList(
             layer_class(config, dtype=dtype, device=device, qkv_bias=qkv_bias) for _ in range(config.num_layers)
         )

@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward (Qwen3-MoE): a router picks ``num_experts_used`` of
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router picks ``num_experts_used`` of
 ``num_experts`` SwiGLU experts per token and their outputs are summed with the router's
 weights (softmax over all experts, the top ones kept and renormalised).
 
@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core_engine.model.config import LlamaConfig
-from core_engine.model.llama import layer_weight
+from core_engine.model.llama import LlamaDecoderLayer, layer_weight
 from core_engine.model.qwen3 import QKNormDecoderLayer
 
-__all__ = ["MoEDecoderLayer", "moe_feed_forward"]
+__all__ = ["MoEDecoderLayer", "QKNormMoEDecoderLayer", "moe_feed_forward"]
 
 
 def moe_feed_forward(
@@ -51,8 +51,8 @@ def moe_feed_forward(
     return out
 
 
-class MoEDecoderLayer(QKNormDecoderLayer):
-    """A Qwen3-MoE layer: Qwen3's attention (q/k norms), a mixture of experts for the FFN."""
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """A layer whose FFN is a mixture of experts (Mixtral: Llama's attention)."""
 
     PRODUCTS = ("qkv", "o")
 
@@ -76,3 +76,7 @@ class MoEDecoderLayer(QKNormDecoderLayer):
 
     def other_weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.router, self.experts_gate_up, self.experts_down))
+
+
+class QKNormMoEDecoderLayer(MoEDecoderLayer, QKNormDecoderLayer):
+    """A Qwen3-MoE layer: Qwen3's attention (q/k norms), a mixture of experts for the FFN."""

@@ -21,14 +21,20 @@ import torch
 from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE
 from tests.core_engine.gguf_factory import build_tiny_vocab
 
-__all__ = ["ARCHITECTURES", "save_checkpoint", "tiny_hf_model", "vocab_size", "write_gguf"]
+__all__ = ["ARCHITECTURES", "gguf_architecture", "save_checkpoint", "tiny_hf_model", "vocab_size", "write_gguf"]
 
 #: The architectures the engine runs, as transformers builds them.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", "mixtral")
 
-_PRE = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen2", "phi3": "llama3", "qwen3moe": "qwen2"}
-#: transformers' model_type -> the GGUF architecture name.
-_GGUF_ARCH = {"qwen3_moe": "qwen3moe"}
+_PRE = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen2", "phi3": "llama3", "qwen3moe": "qwen2", "mixtral": "llama3"}
+#: transformers' model_type (or our tiny model's name) -> the GGUF architecture name
+#: (llama.cpp writes Mixtral as ``llama`` with experts).
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+
+def gguf_architecture(arch: str) -> str:
+    """The ``general.architecture`` a tiny ``arch`` model's GGUF has."""
+    return _GGUF_ARCH.get(arch, arch)
 _NUM_MERGES = 160
 
 
@@ -71,6 +77,12 @@ def tiny_hf_model(arch: str, *, seed: int = 0) -> Any:
             moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         )
         cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(
+            **{**common, "intermediate_size": 32}, rope_theta=10000.0, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=None,
+        )
+        cls = transformers.MixtralForCausalLM
     elif arch == "phi3":
         config = transformers.Phi3Config(
             **common, rope_theta=10000.0, sliding_window=None, pad_token_id=0, bos_token_id=0, eos_token_id=2
@@ -106,7 +118,7 @@ def write_gguf(model: Any, path: str | Path) -> Path:
     path = Path(path)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    tokens, token_types, merges = _vocab(arch)
+    tokens, token_types, merges = _vocab(cfg.model_type if cfg.model_type == "mixtral" else arch)
     assert len(tokens) == cfg.vocab_size
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -115,10 +127,11 @@ def write_gguf(model: Any, path: str | Path) -> Path:
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    if arch == "qwen3moe":
-        writer.add_expert_count(cfg.num_experts)
+    if cfg.model_type in ("qwen3_moe", "mixtral"):
+        writer.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if cfg.model_type == "qwen3_moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
@@ -139,7 +152,7 @@ def write_gguf(model: Any, path: str | Path) -> Path:
     writer.add_chat_template(FALLBACK_CHATML_TEMPLATE)
 
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    permute = arch == "llama"
+    permute = arch == "llama"  # Mixtral too: llama.cpp writes it as llama
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"blk.{i}."
@@ -199,7 +212,8 @@ def save_checkpoint(model: Any, directory: str | Path) -> Path:
 
     directory = Path(directory)
     model.save_pretrained(str(directory), safe_serialization=True)
-    tokens, _, merges = _vocab(_GGUF_ARCH.get(model.config.model_type, model.config.model_type))
+    name = model.config.model_type
+    tokens, _, merges = _vocab("qwen3moe" if name == "qwen3_moe" else name)
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Sequence(

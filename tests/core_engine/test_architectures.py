@@ -17,7 +17,7 @@ from core_engine.attention import ContiguousAttention
 from core_engine.gguf_loader import GGUFFile, GGUFLoadError, load_model
 from gateway.testing import gateway_config, run_gateway
 from tests.core_engine.engine_util import make_engine, run_all
-from tests.core_engine.hf_factory import ARCHITECTURES, tiny_hf_model, write_gguf
+from tests.core_engine.hf_factory import ARCHITECTURES, gguf_architecture, tiny_hf_model, write_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_logits_equal_transformers_and_llamacpp(tiny: tuple[str, object, Path]) 
     import llama_cpp
 
     arch, hf, path = tiny
-    assert GGUFFile(path).architecture == arch
+    assert GGUFFile(path).architecture == gguf_architecture(arch)
     ours = _ours(path, IDS)
     with torch.no_grad():
         theirs = hf(torch.tensor([IDS])).logits[0].float()  # type: ignore[operator]
@@ -81,7 +81,7 @@ def test_the_default_weight_format_stays_close_to_the_exact_model(tiny: tuple[st
     kl = float((p.exp() * (p - packed.log_softmax(-1))).sum(-1).mean())
     # A mixture of experts moves more: 8-bit activations upstream can flip a token's router
     # choice between near-tied experts (measured 0.029 on this 4-expert model).
-    bound = 0.05 if arch == "qwen3moe" else 0.01
+    bound = 0.05 if arch in ("qwen3moe", "mixtral") else 0.01
     assert kl < bound, f"{arch}: KL {kl:.4f} of {engine.model_runner.model.weight_format}"
 
 

@@ -19,7 +19,7 @@ from core_engine.hf_loader import HFLoadError, hf_config
 from core_engine.tokenizer.hf import HFTokenizer
 from gateway.testing import gateway_config, run_gateway
 from tests.core_engine.engine_util import make_engine, run_all
-from tests.core_engine.hf_factory import ARCHITECTURES, save_checkpoint, tiny_hf_model
+from tests.core_engine.hf_factory import ARCHITECTURES, gguf_architecture, save_checkpoint, tiny_hf_model
 from tests.core_engine.tokenizer_corpus import CORPUS
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def test_logits_equal_transformers(checkpoint: tuple[str, object, Path]) -> None:
     arch, hf, directory = checkpoint
     model, config, _ = load_model(directory, dtype=torch.float32, show_progress=False)
-    assert config.architecture == arch
+    assert config.architecture == gguf_architecture(arch)
     with torch.inference_mode():
         ours = model(torch.tensor(IDS), torch.arange(len(IDS)), ContiguousAttention(config.num_layers)).float()
     with torch.no_grad():
@@ -132,3 +132,34 @@ def test_llama3_rope_scaling_of_a_checkpoint_matches_transformers(tmp_path: Path
         theirs, unscaled = (m(torch.tensor([IDS])).logits[0].float() for m in (scaled, plain))
     assert (ours - theirs).abs().max() <= 1e-3
     assert (theirs - unscaled).abs().max() > 0.05  # the scaling changes the logits here
+
+
+def test_mixtral_checkpoints_in_the_hubs_per_expert_layout_load(tmp_path: Path) -> None:
+    # Mixtral's published checkpoints name experts block_sparse_moe.experts.E.w1/w3/w2 (gate,
+    # up, down) rather than transformers 5's stacked mlp.experts tensors: the same model.
+    from safetensors.torch import save_file
+
+    hf = tiny_hf_model("mixtral", seed=4)
+    directory = save_checkpoint(hf, tmp_path / "mixtral")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    hub: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if ".mlp.experts.gate_up_proj" in name:
+            prefix = name.replace("mlp.experts.gate_up_proj", "block_sparse_moe.experts.")
+            for e, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor):
+                hub[f"{prefix}{e}.w1.weight"], hub[f"{prefix}{e}.w3.weight"] = gate.contiguous(), up.contiguous()
+        elif ".mlp.experts.down_proj" in name:
+            prefix = name.replace("mlp.experts.down_proj", "block_sparse_moe.experts.")
+            for e, down in enumerate(tensor):
+                hub[f"{prefix}{e}.w2.weight"] = down.contiguous()
+        else:
+            hub[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = tensor
+    for f in directory.glob("*.safetensors"):
+        f.unlink()
+    save_file(hub, str(directory / "model.safetensors"))
+    model, config, _ = load_model(directory, dtype=torch.float32, show_progress=False)
+    with torch.inference_mode():
+        ours = model(torch.tensor(IDS), torch.arange(len(IDS)), ContiguousAttention(config.num_layers)).float()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([IDS])).logits[0].float()
+    assert config.num_experts == 4 and (ours - theirs).abs().max() <= 1e-3
