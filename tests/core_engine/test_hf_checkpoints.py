@@ -19,7 +19,12 @@ from core_engine.hf_loader import HFLoadError, hf_config
 from core_engine.tokenizer.hf import HFTokenizer
 from gateway.testing import gateway_config, run_gateway
 from tests.core_engine.engine_util import make_engine, run_all
-from tests.core_engine.hf_factory import ARCHITECTURES, gguf_architecture, save_checkpoint, tiny_hf_model
+from tests.core_engine.hf_factory import (
+    ARCHITECTURES,
+    gguf_architecture,
+    save_checkpoint,
+    tiny_hf_model,
+)
 from tests.core_engine.tokenizer_corpus import CORPUS
 
 pytestmark = pytest.mark.slow
