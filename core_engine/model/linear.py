@@ -58,10 +58,7 @@ def dense_rows_by_dtype() -> dict[torch.dtype, int]:
     from core_engine.cpu_features import cpu_flags
     from core_engine.kernels.cpu import cpu_extension
 
-    return _dense_rows(cpu_extension("quant_linear").isa(), cpu_flags())
-
-
-def _dense_rows(isa: str, flags: frozenset[str]) -> dict[torch.dtype, int]:
+    isa, flags = cpu_extension("quant_linear").isa(), cpu_flags()
     if isa == "scalar":
         return {torch.float32: 1, torch.bfloat16: 1}
     if isa in ("avx2", "avx-vnni"):  # avx-vnni (ymm dpbusd) not measured: taken as AVX2

@@ -65,8 +65,6 @@ def layer_weight(*shape: int, dtype: torch.dtype, device: torch.device | str) ->
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-_weight = layer_weight
-
 
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block: ``x += o(attn(rope(qkv(norm(x)))))``; ``x += down(silu(g) * u)``."""
@@ -85,13 +83,13 @@ class LlamaDecoderLayer(nn.Module):
         self.q_size = config.q_size
         self.rms_eps = config.rms_eps
         qkv_out = config.q_size + 2 * config.kv_size
-        self.attn_norm = _weight(hidden, dtype=dtype, device=device)
-        self.qkv_proj = _weight(qkv_out, hidden, dtype=dtype, device=device)  # rows: q | k | v
-        self.qkv_bias = _weight(qkv_out, dtype=dtype, device=device) if qkv_bias else None
-        self.o_proj = _weight(hidden, config.q_size, dtype=dtype, device=device)
-        self.ffn_norm = _weight(hidden, dtype=dtype, device=device)
-        self.gate_up_proj = _weight(2 * inter, hidden, dtype=dtype, device=device)  # gate | up
-        self.down_proj = _weight(hidden, inter, dtype=dtype, device=device)
+        self.attn_norm = layer_weight(hidden, dtype=dtype, device=device)
+        self.qkv_proj = layer_weight(qkv_out, hidden, dtype=dtype, device=device)  # rows: q | k | v
+        self.qkv_bias = layer_weight(qkv_out, dtype=dtype, device=device) if qkv_bias else None
+        self.o_proj = layer_weight(hidden, config.q_size, dtype=dtype, device=device)
+        self.ffn_norm = layer_weight(hidden, dtype=dtype, device=device)
+        self.gate_up_proj = layer_weight(2 * inter, hidden, dtype=dtype, device=device)  # gate | up
+        self.down_proj = layer_weight(hidden, inter, dtype=dtype, device=device)
         # The products the forward pass calls; :meth:`LlamaModel.set_weight_format` swaps them.
         self.qkv: Linear = DenseLinear(self.qkv_proj, self.qkv_bias)
         self.o: Linear = DenseLinear(self.o_proj)
@@ -153,7 +151,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = layer_weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         layer_class = self.decoder_layer_class
         if config.qk_norm or config.num_experts:
             from core_engine.model.moe import MoEDecoderLayer, QKNormMoEDecoderLayer
@@ -167,11 +165,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             layer_class(config, dtype=dtype, device=device, qkv_bias=qkv_bias) for _ in range(config.num_layers)
         )
-        self.norm = _weight(config.hidden_size, dtype=dtype, device=device)
+        self.norm = layer_weight(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else layer_weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryEmbedding(config, dtype=dtype, device=device, freq_factors=rope_freq_factors)
         self.head: Linear = DenseLinear(self.lm_head)

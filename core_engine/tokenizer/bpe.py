@@ -25,6 +25,15 @@ _EOG_TEXTS = END_OF_GENERATION_TEXTS
 _MAX_CACHED_WORDS = 200_000
 
 
+def metadata_token_id(metadata: Mapping[str, Any], key: str, vocab_size: int, default: int | None) -> int | None:
+    """``tokenizer.ggml.{key}`` as a token id; llama.cpp ignores out-of-range ids and keeps
+    its default."""
+    value = metadata.get(f"tokenizer.ggml.{key}")
+    if value is None or not 0 <= int(value) < vocab_size:
+        return default
+    return int(value)
+
+
 class TokenizerError(ValueError):
     """The GGUF's tokenizer metadata is missing, unsupported or inconsistent (message says which)."""
 
@@ -122,11 +131,7 @@ class Tokenizer:
             raise TokenizerError("GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
 
         def token_id(key: str, default: int | None) -> int | None:
-            value = metadata.get(f"tokenizer.ggml.{key}")
-            # llama.cpp ignores out-of-range ids and keeps its default.
-            if value is None or not 0 <= int(value) < len(tokens):
-                return default
-            return int(value)
+            return metadata_token_id(metadata, key, len(tokens), default)
 
         add_bos = metadata.get("tokenizer.ggml.add_bos_token")
         return cls(

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from core_engine.tokenizer.bpe import Tokenizer, TokenizerError, TokenType
+from core_engine.tokenizer.bpe import Tokenizer, TokenizerError, TokenType, metadata_token_id
 
 __all__ = ["SentencePieceTokenizer"]
 
@@ -75,10 +75,7 @@ class SentencePieceTokenizer(Tokenizer):
             raise TokenizerError("GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.scores")
 
         def token_id(key: str, default: int | None) -> int | None:
-            value = metadata.get(f"tokenizer.ggml.{key}")
-            if value is None or not 0 <= int(value) < len(tokens):
-                return default
-            return int(value)
+            return metadata_token_id(metadata, key, len(tokens), default)
 
         add_bos = metadata.get("tokenizer.ggml.add_bos_token")
         return cls(
