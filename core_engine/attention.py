@@ -26,13 +26,23 @@ Contract (keep it stable; changes are announced here):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["AttentionContext", "ContiguousAttention"]
+__all__ = ["AttentionContext", "ContiguousAttention", "LayerAttention"]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer attends, where an architecture differs from Llama's (the defaults)."""
+
+    scale: float | None = None
+    window: int | None = None
+    softcap: float | None = None
 
 
 @runtime_checkable
@@ -101,11 +111,25 @@ class ContiguousAttention:
         self._lengths[layer_idx] = end
         return cache_k[:end], cache_v[:end]  # (S, n_kv_heads, head_dim)
 
-    def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: LayerAttention | None = None) -> Tensor:
         """See :class:`AttentionContext`; all T tokens belong to the one cached sequence."""
         num_new = q.shape[0]
         keys, values = self._append(layer_idx, k, v)
         num_total = keys.shape[0]
+        if spec is not None and spec != LayerAttention():  # STUB: replaced by the attn-spec branch
+            pos = torch.arange(num_new).unsqueeze(1) + (num_total - num_new)
+            kpos = torch.arange(num_total).unsqueeze(0)
+            ok = kpos <= pos
+            if spec.window is not None:
+                ok &= pos - kpos < spec.window
+            g = q.shape[1] // k.shape[1]
+            kk = keys.float().repeat_interleave(g, 1).transpose(0, 1)
+            vv = values.float().repeat_interleave(g, 1).transpose(0, 1)
+            s = q.float().transpose(0, 1) @ kk.transpose(1, 2) * (spec.scale or q.shape[-1] ** -0.5)
+            if spec.softcap:
+                s = spec.softcap * torch.tanh(s / spec.softcap)
+            s = s.masked_fill(~ok, float("-inf")).softmax(-1)
+            return (s @ vv).transpose(0, 1).to(q.dtype)
         q_ = q.transpose(0, 1).unsqueeze(0)  # (1, n_heads, T, head_dim)
         k_ = keys.transpose(0, 1).unsqueeze(0)  # (1, n_kv_heads, S, head_dim)
         v_ = values.transpose(0, 1).unsqueeze(0)

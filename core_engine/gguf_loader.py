@@ -1,4 +1,4 @@
-"""Load a GGUF file of a Llama-family architecture (``llama``, ``qwen2``, ``qwen3``;
+"""Load a GGUF file of a Llama-family architecture (``llama``, ``qwen2``, ``qwen3``, ``gemma2``...;
 :mod:`core_engine.model.architectures`) into a :class:`~core_engine.model.llama.LlamaModel`.
 
 Weights of every supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K;
@@ -22,6 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from torch import Tensor
@@ -183,7 +184,7 @@ class GGUFFile:
                 "expert_intermediate_size": int(expert_ff),
             }
         inter = self._arch_key("feed_forward_length", moe.get("expert_intermediate_size"), required=not moe)
-        return LlamaConfig(
+        config = LlamaConfig(
             **moe,
             architecture=arch,
             vocab_size=vocab_size,
@@ -204,6 +205,8 @@ class GGUFFile:
             eos_token_id=self.metadata.get("tokenizer.ggml.eos_token_id"),
             name=self.metadata.get("general.name"),
         )
+        own = self.arch_spec.gguf_hparams
+        return config if own is None else msgspec.structs.replace(config, **own(self._arch_key, config))
 
     def _rope_scaling(self) -> RopeScaling | None:
         kind = self._arch_key("rope.scaling.type")
@@ -313,6 +316,9 @@ def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
     layer.o_proj.copy_(gguf_file.dequantized(prefix + "attn_output.weight"))
     layer.attn_norm.copy_(gguf_file.dequantized(prefix + "attn_norm.weight"))
     layer.ffn_norm.copy_(gguf_file.dequantized(prefix + "ffn_norm.weight"))
+    if hasattr(layer, "post_attn_norm"):  # Gemma: norms after attention and after the FFN too
+        layer.post_attn_norm.copy_(gguf_file.dequantized(prefix + "post_attention_norm.weight"))
+        layer.post_ffn_norm.copy_(gguf_file.dequantized(prefix + "post_ffw_norm.weight"))
     inter = cfg.intermediate_size
     if cfg.num_experts:  # mixture of experts: the router and the stacked experts
         layer.router.copy_(gguf_file.dequantized(prefix + "ffn_gate_inp.weight"))

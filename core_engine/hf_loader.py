@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -70,7 +71,25 @@ def _config_json(directory: Path) -> dict[str, Any]:
 
 
 #: config.json model_type -> the architecture's (GGUF) name where they differ.
-_HF_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_HF_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "gemma3_text": "gemma3"}
+
+
+def _sliding_window(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The window and its layers of a config.json outside Gemma's own (``layer_types`` where
+    transformers writes them; Mistral and Mixtral: every layer; Qwen2: the layers from
+    ``max_window_layers`` on, when ``use_sliding_window``)."""
+    window, types = cfg.get("sliding_window"), cfg.get("layer_types")
+    if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window"):
+        window = None
+    if not window:
+        return {}
+    if types:
+        local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif cfg.get("model_type") == "qwen2":
+        local = tuple(range(int(cfg.get("max_window_layers", num_layers)), num_layers))
+    else:
+        local = tuple(range(num_layers))
+    return {"sliding_window": int(window), "local_layers": local} if local else {}
 
 
 def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaConfig:
@@ -114,7 +133,7 @@ def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaCo
                "expert_intermediate_size": int(cfg.get("moe_intermediate_size") or need("intermediate_size"))}
     tied = bool(cfg.get("tie_word_embeddings", False)) or (tensors is not None and "lm_head.weight" not in tensors)
     eos = cfg.get("eos_token_id")
-    return LlamaConfig(
+    config = LlamaConfig(
         **moe,
         architecture=spec.name,
         vocab_size=int(need("vocab_size")),
@@ -135,6 +154,11 @@ def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaCo
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         name=directory.name,
     )
+    try:
+        own = spec.hf_hparams(cfg, config) if spec.hf_hparams is not None else _sliding_window(cfg, config.num_layers)
+    except ValueError as exc:
+        raise HFLoadError(f"{directory}: {exc}") from exc
+    return msgspec.structs.replace(config, **own)
 
 
 def _freq_factors(directory: Path, config: LlamaConfig) -> Tensor | None:
@@ -164,13 +188,20 @@ def load_hf_model(
     tokenizer = HFTokenizer(directory)
     logger.info("loading %s (%s, %d layers, hidden %d) as %s on %s", directory.name, config.architecture,
                 config.num_layers, config.hidden_size, dtype, device)
+    offset = architecture(config.architecture).hf_norm_offset  # type: ignore[union-attr]
+
+    def norm(name: str) -> Tensor:
+        """A norm weight; Gemma's are stored as offsets from 1."""
+        weight = tensors.get(name)
+        return weight + 1.0 if offset else weight
+
     with torch.no_grad():
         bias = any(f"model.layers.0.self_attn.{n}.bias" in tensors for n in ("q_proj", "qkv_proj"))
         model = LlamaModel(
             config, dtype=dtype, device=device, qkv_bias=bias, rope_freq_factors=_freq_factors(directory, config)
         )
         model.embed_tokens.copy_(tensors.get("model.embed_tokens.weight"))
-        model.norm.copy_(tensors.get("model.norm.weight"))
+        model.norm.copy_(norm("model.norm.weight"))
         if not config.tie_word_embeddings:
             model.lm_head.copy_(tensors.get("lm_head.weight"))
         for i, layer in enumerate(model.layers):
@@ -188,10 +219,15 @@ def load_hf_model(
                 )
             layer.o_proj.copy_(tensors.get(attn + "o_proj.weight"))
             if config.qk_norm:
-                layer.q_norm.copy_(tensors.get(attn + "q_norm.weight"))
-                layer.k_norm.copy_(tensors.get(attn + "k_norm.weight"))
-            layer.attn_norm.copy_(tensors.get(p + "input_layernorm.weight"))
-            layer.ffn_norm.copy_(tensors.get(p + "post_attention_layernorm.weight"))
+                layer.q_norm.copy_(norm(attn + "q_norm.weight"))
+                layer.k_norm.copy_(norm(attn + "k_norm.weight"))
+            layer.attn_norm.copy_(norm(p + "input_layernorm.weight"))
+            if hasattr(layer, "post_attn_norm"):  # Gemma: norms before and after attention and the FFN
+                layer.post_attn_norm.copy_(norm(p + "post_attention_layernorm.weight"))
+                layer.ffn_norm.copy_(norm(p + "pre_feedforward_layernorm.weight"))
+                layer.post_ffn_norm.copy_(norm(p + "post_feedforward_layernorm.weight"))
+            else:
+                layer.ffn_norm.copy_(tensors.get(p + "post_attention_layernorm.weight"))
             inter = config.intermediate_size
             if config.num_experts:  # stacked experts (transformers 5) or one module per expert
                 mlp = p + "mlp."

@@ -8,8 +8,10 @@ Adding one is a module next to these and a line in :func:`architectures` (``docs
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 __all__ = ["Architecture", "architecture", "architectures"]
 
@@ -31,15 +33,27 @@ class Architecture:
     fused_projections: bool = False
     #: Mixture-of-experts FFN (``ffn_gate_inp``, ``ffn_{gate,up,down}_exps``).
     moe: bool = False
+    #: The module's own decoder layer (a ``LlamaDecoderLayer`` subclass) where the shared
+    #: choice (q/k norms, experts) does not fit; None: the shared one.
+    layer_class: type | None = None
+    #: The file's norm weights are stored as offsets from 1 (Gemma's Hugging Face checkpoints
+    #: multiply by ``1 + w``; llama.cpp's converter adds the 1, so its GGUFs hold ``w`` itself).
+    hf_norm_offset: bool = False
+    #: The architecture's own hyper-parameters, as :class:`~core_engine.model.config.LlamaConfig`
+    #: fields: from a GGUF (called with a reader of ``{arch}.*`` keys, ``read(key, default)``,
+    #: and the config read so far) and from a ``config.json`` (its dict and the config so far).
+    gguf_hparams: Callable[[Callable[[str, Any], Any], Any], dict[str, Any]] | None = None
+    hf_hparams: Callable[[Mapping[str, Any], Any], dict[str, Any]] | None = None
 
 
 @cache
 def architectures() -> dict[str, Architecture]:
     """Every architecture the engine runs, by name (each module declares its own)."""
-    from core_engine.model import llama, phi3, qwen2, qwen3, qwen3moe
+    from core_engine.model import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe
 
     return {a.name: a for a in (
         llama.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE, qwen3moe.ARCHITECTURE, phi3.ARCHITECTURE,
+        gemma2.ARCHITECTURE, gemma3.ARCHITECTURE,
     )}
 
 

@@ -41,6 +41,22 @@ class LlamaConfig(msgspec.Struct, kw_only=True, frozen=True):
     num_experts: int = 0
     num_experts_used: int = 0
     expert_intermediate_size: int = 0
+    #: Sliding-window attention: the window of the local layers (a query at position p sees
+    #: keys p - window + 1 .. p) and which layers those are (Mistral: all; Gemma 2: every
+    #: other one; Gemma 3: five of every six). None: every layer sees the whole context.
+    sliding_window: int | None = None
+    local_layers: tuple[int, ...] = ()
+    #: RoPE base of the local layers where it differs (Gemma 3: 10,000 against 1,000,000; no
+    #: position scaling there).
+    local_rope_theta: float | None = None
+    #: Softmax scale of the attention (Gemma: ``query_pre_attn_scalar ** -0.5``); None:
+    #: ``head_dim ** -0.5``.
+    attention_scale: float | None = None
+    #: Soft-capping (Gemma 2): attention scores and final logits become ``cap * tanh(x / cap)``.
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    #: The token embeddings are multiplied by this (Gemma: ``sqrt(hidden_size)``).
+    embedding_scale: float | None = None
     #: Trained context length (``{arch}.context_length``); the engine's default max length.
     context_length: int
     #: True when the file has no ``output.weight``: the LM head reuses the token embedding.

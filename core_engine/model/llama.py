@@ -12,12 +12,13 @@ import fnmatch
 import logging
 from collections.abc import Mapping
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core_engine.attention import AttentionContext
-from core_engine.model.architectures import Architecture
+from core_engine.attention import AttentionContext, LayerAttention
+from core_engine.model.architectures import Architecture, architecture
 from core_engine.model.block_weights import BlockSource
 from core_engine.model.config import LlamaConfig
 from core_engine.model.linear import (
@@ -30,7 +31,7 @@ from core_engine.model.linear import (
 )
 from core_engine.model.rope import RotaryEmbedding
 
-__all__ = ["ARCHITECTURE", "LlamaDecoderLayer", "LlamaModel", "layer_weight"]
+__all__ = ["ARCHITECTURE", "LlamaDecoderLayer", "LlamaModel", "layer_attention", "layer_weight"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,13 @@ def layer_weight(*shape: int, dtype: torch.dtype, device: torch.device | str) ->
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def layer_attention(config: LlamaConfig, layer_idx: int) -> LayerAttention | None:
+    """How layer ``layer_idx`` attends (its window, softmax scale and soft-cap), or None where
+    it attends like Llama's (the whole context, ``head_dim ** -0.5``, no cap)."""
+    window = config.sliding_window if layer_idx in config.local_layers else None
+    spec = LayerAttention(scale=config.attention_scale, window=window, softcap=config.attn_logit_softcap)
+    return None if spec == LayerAttention() else spec
+
 
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block: ``x += o(attn(rope(qkv(norm(x)))))``; ``x += down(silu(g) * u)``."""
@@ -95,6 +103,8 @@ class LlamaDecoderLayer(nn.Module):
         self.o: Linear = DenseLinear(self.o_proj)
         self.gate_up: Linear = DenseLinear(self.gate_up_proj)
         self.down: Linear = DenseLinear(self.down_proj)
+        #: How this layer attends where it differs from Llama's (set by :class:`LlamaModel`).
+        self.attention_spec: LayerAttention | None = None
 
     def dense_weights(self) -> dict[str, tuple[Tensor, Tensor | None]]:
         """Product name -> (weight, bias) as loaded (None after packing)."""
@@ -114,7 +124,8 @@ class LlamaDecoderLayer(nn.Module):
         heads_qk = self.num_heads + self.num_kv_heads
         qkv = self.qkv_heads(x, cos, sin)
         out = attn.forward(
-            layer_idx, qkv[:, : self.num_heads], qkv[:, self.num_heads : heads_qk], qkv[:, heads_qk:]
+            layer_idx, qkv[:, : self.num_heads], qkv[:, self.num_heads : heads_qk], qkv[:, heads_qk:],
+            self.attention_spec,
         )
         x = self.o.add_to(x, out.reshape(num_tokens, self.q_size))  # x + out @ o_proj.T: (T, hidden)
         return self.feed_forward(x)
@@ -152,19 +163,12 @@ class LlamaModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.embed_tokens = layer_weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        layer_class = self.decoder_layer_class
-        if config.qk_norm or config.num_experts:
-            from core_engine.model.moe import MoEDecoderLayer, QKNormMoEDecoderLayer
-            from core_engine.model.qwen3 import QKNormDecoderLayer
-
-            if layer_class is not LlamaDecoderLayer:
-                raise ValueError(f"{type(self).__name__} has no layers with q/k norms or experts")
-            layer_class = {
-                (True, True): QKNormMoEDecoderLayer, (False, True): MoEDecoderLayer, (True, False): QKNormDecoderLayer,
-            }[(config.qk_norm, bool(config.num_experts))]
+        layer_class = self._layer_class(config)
         self.layers = nn.ModuleList(
             layer_class(config, dtype=dtype, device=device, qkv_bias=qkv_bias) for _ in range(config.num_layers)
         )
+        for i, layer in enumerate(self.layers):
+            layer.attention_spec = layer_attention(config, i)
         self.norm = layer_weight(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             self.embed_tokens
@@ -172,6 +176,12 @@ class LlamaModel(nn.Module):
             else layer_weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryEmbedding(config, dtype=dtype, device=device, freq_factors=rope_freq_factors)
+        #: The local (sliding-window) layers' own RoPE where their base differs (Gemma 3).
+        self.local_rotary: RotaryEmbedding | None = None
+        if config.local_rope_theta is not None:
+            local = msgspec.structs.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            self.local_rotary = RotaryEmbedding(local, dtype=dtype, device=device)
+        self._local_layers = frozenset(config.local_layers)
         self.head: Linear = DenseLinear(self.lm_head)
         #: Storage of the matmul weights: "dense" (the parameters above), or the packed format
         #: of :meth:`set_weight_format`; ``layer_formats`` the products stored otherwise.
@@ -179,6 +189,26 @@ class LlamaModel(nn.Module):
         self.layer_formats: dict[str, str] = {}
         #: The file's blocks for the int4/int8 formats (set by the GGUF loader).
         self.block_source: BlockSource | None = None
+
+    def _layer_class(self, config: LlamaConfig) -> type[LlamaDecoderLayer]:
+        """The decoder layer of ``config``'s architecture: its module's own class, or the
+        Llama layer with q/k norms (Qwen3) and/or a mixture of experts."""
+        spec = architecture(config.architecture)
+        special = spec is not None and spec.layer_class is not None
+        if self.decoder_layer_class is not LlamaDecoderLayer:  # a numerics subclass: plain Llama layers only
+            if config.qk_norm or config.num_experts or special:
+                raise ValueError(f"{type(self).__name__} runs plain Llama layers only, not {config.architecture}'s")
+            return self.decoder_layer_class
+        if special:
+            return spec.layer_class  # type: ignore[union-attr, return-value]
+        if not (config.qk_norm or config.num_experts):
+            return LlamaDecoderLayer
+        from core_engine.model.moe import MoEDecoderLayer, QKNormMoEDecoderLayer
+        from core_engine.model.qwen3 import QKNormDecoderLayer
+
+        return {
+            (True, True): QKNormMoEDecoderLayer, (False, True): MoEDecoderLayer, (True, False): QKNormDecoderLayer,
+        }[(config.qk_norm, bool(config.num_experts))]
 
     #: The names :meth:`set_weight_format` matches ``layer_formats`` against (per layer: the
     #: layer class's ``PRODUCTS``; MoE layers have no gate_up/down products).
@@ -295,11 +325,23 @@ class LlamaModel(nn.Module):
         are wanted (e.g. the last token of each sequence); ``None`` means all T.
         Returns fp32 logits (N or T, vocab_size).
         """
+        cfg = self.config
         x = F.embedding(input_ids, self.embed_tokens)  # (T, hidden)
+        if cfg.embedding_scale is not None:
+            x = x * cfg.embedding_scale
         cos, sin = self.rotary.lookup(positions)  # (T, 1, head_dim/2) each
+        local = cos, sin
+        if self.local_rotary is not None:
+            local = self.local_rotary.lookup(positions)
         for layer_idx, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, layer_idx)
+            if layer_idx in self._local_layers:
+                x = layer(x, *local, attn, layer_idx)
+            else:
+                x = layer(x, cos, sin, attn, layer_idx)
         if logits_indices is not None:
             x = x[logits_indices]  # (N, hidden)
-        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_eps)
-        return self.head(x).float()  # (N, vocab)
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_eps)
+        logits = self.head(x).float()  # (N, vocab)
+        if cfg.final_logit_softcap is not None:
+            logits = cfg.final_logit_softcap * torch.tanh(logits / cfg.final_logit_softcap)
+        return logits

@@ -21,15 +21,24 @@ import torch
 from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE
 from tests.core_engine.gguf_factory import build_tiny_vocab
 
-__all__ = ["ARCHITECTURES", "gguf_architecture", "save_checkpoint", "tiny_hf_model", "vocab_size", "write_gguf"]
+__all__ = ["ARCHITECTURES", "HF_ONLY_ARCHITECTURES", "WINDOW", "gguf_architecture", "save_checkpoint", "tiny_hf_model", "vocab_size", "write_gguf"]
 
-#: The architectures the engine runs, as transformers builds them.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", "mixtral")
+#: The architectures the engine runs, as transformers builds them (each also as GGUF).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", "mixtral", "gemma2", "gemma3")
+#: Checkpoint-only ones: Mistral's sliding window is in its config.json; llama.cpp's converter
+#: writes Mistral as a ``llama`` GGUF without it (and llama.cpp runs every layer over the whole
+#: context), so there is no GGUF of the same model to compare.
+HF_ONLY_ARCHITECTURES = ("mistral",)
 
-_PRE = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen2", "phi3": "llama3", "qwen3moe": "qwen2", "mixtral": "llama3"}
+#: The window of the tiny sliding-window models: well inside the tests' 64 positions and
+#: across the engine's 16-token KV blocks.
+WINDOW = 8
+
+_PRE = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen2", "phi3": "llama3", "qwen3moe": "qwen2", "mixtral": "llama3",
+        "gemma2": "qwen2", "gemma3": "qwen2", "mistral": "llama3"}
 #: transformers' model_type (or our tiny model's name) -> the GGUF architecture name
-#: (llama.cpp writes Mixtral as ``llama`` with experts).
-_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+#: (llama.cpp writes Mixtral and Mistral as ``llama``).
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "mistral": "llama", "gemma3_text": "gemma3"}
 
 
 def gguf_architecture(arch: str) -> str:
@@ -83,6 +92,30 @@ def tiny_hf_model(arch: str, *, seed: int = 0) -> Any:
             sliding_window=None,
         )
         cls = transformers.MixtralForCausalLM
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**common, rope_theta=10000.0, sliding_window=WINDOW)
+        cls = transformers.MistralForCausalLM
+    elif arch in ("gemma2", "gemma3"):
+        # Small soft-caps so that they bend these scores and logits (Gemma 2's real ones are
+        # 50 and 30); query_pre_attn_scalar = head_dim, as llama.cpp assumes below 27B.
+        gemma = {**common, "tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
+                 "sliding_window": WINDOW, "hidden_activation": "gelu_pytorch_tanh"}
+        if arch == "gemma2":
+            config = transformers.Gemma2Config(
+                **gemma, rope_theta=10000.0, attn_logit_softcapping=4.0, final_logit_softcapping=8.0
+            )
+            cls = transformers.Gemma2ForCausalLM
+        else:
+            # Six layers: five local ones and a global one, each with its own RoPE (the
+            # global one linearly scaled).
+            config = transformers.Gemma3TextConfig(
+                **{**gemma, "num_hidden_layers": 6},
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                },
+            )
+            cls = transformers.Gemma3ForCausalLM
     elif arch == "phi3":
         config = transformers.Phi3Config(
             **common, rope_theta=10000.0, sliding_window=None, pad_token_id=0, bos_token_id=0, eos_token_id=2
@@ -96,8 +129,9 @@ def tiny_hf_model(arch: str, *, seed: int = 0) -> Any:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            if "norm" in name:  # Gemma's norms multiply by 1 + w
+                offset = 0.0 if arch.startswith("gemma") else 1.0
+                param.copy_(offset + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):
                 param.copy_(0.2 * torch.randn(param.shape, generator=gen))
             else:
@@ -137,10 +171,21 @@ def write_gguf(model: Any, path: str | Path) -> Path:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
-    writer.add_rope_freq_base(float(rope_theta))
+    if arch != "gemma3":
+        rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+        writer.add_rope_freq_base(float(rope_theta))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma3":  # the global layers' RoPE; llama.cpp gives the local ones base 10,000
+        full = cfg.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(float(full["rope_theta"]))
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(full["factor"]))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(_PRE[arch])
     writer.add_token_list(tokens)
@@ -152,6 +197,8 @@ def write_gguf(model: Any, path: str | Path) -> Path:
     writer.add_chat_template(FALLBACK_CHATML_TEMPLATE)
 
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if arch in ("gemma2", "gemma3"):  # llama.cpp's converter stores Gemma's norms as 1 + w
+        state = {k: v + 1.0 if "norm" in k else v for k, v in state.items()}
     permute = arch == "llama"  # Mixtral too: llama.cpp writes it as llama
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
@@ -169,7 +216,11 @@ def write_gguf(model: Any, path: str | Path) -> Path:
             "self_attn.qkv_proj.weight": "attn_qkv.weight",
             "self_attn.o_proj.weight": "attn_output.weight",
             "mlp.gate_up_proj.weight": "ffn_up.weight",
-            "post_attention_layernorm.weight": "ffn_norm.weight",
+            # Gemma: post_attention_layernorm follows attention; pre_feedforward_layernorm
+            # is its FFN norm.
+            "post_attention_layernorm.weight": "post_attention_norm.weight" if arch.startswith("gemma") else "ffn_norm.weight",
+            "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+            "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
             "mlp.gate_proj.weight": "ffn_gate.weight",
             "mlp.up_proj.weight": "ffn_up.weight",
             "mlp.down_proj.weight": "ffn_down.weight",
@@ -213,7 +264,7 @@ def save_checkpoint(model: Any, directory: str | Path) -> Path:
     directory = Path(directory)
     model.save_pretrained(str(directory), safe_serialization=True)
     name = model.config.model_type
-    tokens, _, merges = _vocab("qwen3moe" if name == "qwen3_moe" else name)
+    tokens, _, merges = _vocab({"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}.get(name, name))
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Sequence(

@@ -21,6 +21,8 @@ from gateway.testing import gateway_config, run_gateway
 from tests.core_engine.engine_util import make_engine, run_all
 from tests.core_engine.hf_factory import (
     ARCHITECTURES,
+    HF_ONLY_ARCHITECTURES,
+    WINDOW,
     gguf_architecture,
     save_checkpoint,
     tiny_hf_model,
@@ -32,7 +34,7 @@ pytestmark = pytest.mark.slow
 IDS = list(range(3, 67))
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+@pytest.fixture(scope="module", params=(*ARCHITECTURES, *HF_ONLY_ARCHITECTURES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object, Path]]:
     arch = request.param
     model = tiny_hf_model(arch, seed=1)
@@ -104,8 +106,10 @@ def test_a_checkpoint_directory_is_served_through_the_gateway(checkpoint: tuple[
 
 
 def test_an_unsupported_model_type_is_named(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "hidden_size": 64}))
-    with pytest.raises(HFLoadError, match=r"model_type 'gemma2' is not supported \(supported: llama, phi3, qwen2, qwen3, qwen3moe\)"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64}))
+    with pytest.raises(
+        HFLoadError, match=r"model_type 'gpt_neox' is not supported \(supported: gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe\)"
+    ):
         hf_config(tmp_path)
     with pytest.raises(HFLoadError, match="no \\*.safetensors"):
         load_model(tmp_path, dtype=torch.float32)
@@ -168,3 +172,25 @@ def test_mixtral_checkpoints_in_the_hubs_per_expert_layout_load(tmp_path: Path) 
     with torch.no_grad():
         theirs = hf(torch.tensor([IDS])).logits[0].float()
     assert config.num_experts == 4 and (ours - theirs).abs().max() <= 1e-3
+
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
+def test_a_sliding_window_is_applied_where_the_config_sets_it(arch: str, tmp_path: Path) -> None:
+    # Mistral (every layer), Gemma 2 (every other one), Gemma 3 (five in six): the positions
+    # before the window fills see the same keys with or without it, the later ones do not.
+    import dataclasses
+
+    directory = save_checkpoint(tiny_hf_model(arch, seed=1), tmp_path / arch)
+    logits = []
+    for keep_window in (True, False):
+        model, config, _ = load_model(directory, dtype=torch.float32, show_progress=False)
+        assert config.sliding_window == WINDOW and config.local_layers
+        for layer in model.layers:
+            if not keep_window and layer.attention_spec is not None:
+                layer.attention_spec = dataclasses.replace(layer.attention_spec, window=None)
+        with torch.inference_mode():
+            logits.append(model(torch.tensor(IDS), torch.arange(len(IDS)), ContiguousAttention(config.num_layers)).float())
+    windowed, whole = logits
+    assert (windowed[:WINDOW] - whole[:WINDOW]).abs().max() <= 1e-5
+    assert (windowed[WINDOW:] - whole[WINDOW:]).abs().amax(-1).min() > 1e-3, arch
