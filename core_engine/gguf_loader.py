@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from torch import Tensor
@@ -254,6 +255,10 @@ class GGUFBlockSource:
             return [("output.weight" if self.gguf_file.has_tensor("output.weight") else "token_embd.weight", None)]
         _, idx, product = name.split(".")
         prefix = f"blk.{idx}."
+        if product == "experts_gate_up":  # stacked (experts, rows, cols): interleaved per expert
+            return [(prefix + "ffn_gate_exps.weight", None), (prefix + "ffn_up_exps.weight", None)]
+        if product == "experts_down":
+            return [(prefix + "ffn_down_exps.weight", None)]
         if self.gguf_file.arch_spec.fused_projections:
             return {"qkv": [(prefix + "attn_qkv.weight", None)], "o": [(prefix + "attn_output.weight", None)],
                     "gate_up": [(prefix + "ffn_up.weight", None)], "down": [(prefix + "ffn_down.weight", None)]}[product]
@@ -272,20 +277,33 @@ class GGUFBlockSource:
         return "int4" if all(is_exact("int4", t) for t in types) else "int8"
 
     def block_weight(self, name: str, weight_format: str) -> BlockWeight:
+        """Product ``name`` in ``weight_format``'s arrays; an experts product's rows are
+        expert-major (expert ``e``'s gate then up rows for ``experts_gate_up``)."""
         parts = []
+        experts = 1
         for tensor_name, heads in self.parts(name):
             record = self.gguf_file.tensor(tensor_name)
             qtype = GGMLQuantizationType(record.tensor_type)
-            cols, rows = (int(n) for n in record.shape.tolist()[:2])
+            shape = [int(n) for n in record.shape.tolist()]  # ne0 (cols) first; experts last
+            cols, rows = shape[0], int(np.prod(shape[1:]))
+            experts = shape[2] if len(shape) == 3 else 1
             if is_exact(weight_format, qtype):
                 blocks = from_gguf_blocks(record.data, qtype, rows, cols)
             else:
                 self.requantized.append(f"{tensor_name} ({qtype.name} -> {weight_format})")
-                blocks = quantize_dense(self.gguf_file.dequantized(tensor_name), weight_format)
+                blocks = quantize_dense(self.gguf_file.dequantized(tensor_name).reshape(rows, cols), weight_format)
             if heads is not None:
                 blocks = tuple(None if t is None else _unpermute_rope_rows(t, heads) for t in blocks)  # type: ignore[assignment]
             parts.append(blocks)
-        return parts[0] if len(parts) == 1 else concat_rows(parts)
+        if len(parts) == 1:
+            return parts[0]
+        if experts > 1:  # gate | up of each expert, expert after expert
+            return tuple(  # type: ignore[return-value]
+                None if any(p[i] is None for p in parts)
+                else torch.cat([p[i].view(experts, -1, *p[i].shape[1:]) for p in parts], dim=1).flatten(0, 1)
+                for i in range(3)
+            )
+        return concat_rows(parts)
 
 
 def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
@@ -322,11 +340,11 @@ def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
     inter = cfg.intermediate_size
     if cfg.num_experts:  # mixture of experts: the router and the stacked experts
         layer.router.copy_(gguf_file.dequantized(prefix + "ffn_gate_inp.weight"))
-        layer.experts_gate_up.copy_(torch.cat(
+        layer.experts_gate_up_proj.copy_(torch.cat(
             (gguf_file.dequantized(prefix + "ffn_gate_exps.weight"), gguf_file.dequantized(prefix + "ffn_up_exps.weight")),
             dim=1,
         ))
-        layer.experts_down.copy_(gguf_file.dequantized(prefix + "ffn_down_exps.weight"))
+        layer.experts_down_proj.copy_(gguf_file.dequantized(prefix + "ffn_down_exps.weight"))
     elif fused:  # gate|up in one tensor
         layer.gate_up_proj.copy_(gguf_file.dequantized(prefix + "ffn_up.weight"))
     else:

@@ -236,20 +236,20 @@ def load_hf_model(
                     layer.router.copy_(tensors.get(moe + "gate.weight"))
                     for e in range(config.num_experts):
                         ex = f"{moe}experts.{e}."
-                        layer.experts_gate_up[e].copy_(torch.cat((tensors.get(ex + "w1.weight"), tensors.get(ex + "w3.weight"))))
-                        layer.experts_down[e].copy_(tensors.get(ex + "w2.weight"))
+                        layer.experts_gate_up_proj[e].copy_(torch.cat((tensors.get(ex + "w1.weight"), tensors.get(ex + "w3.weight"))))
+                        layer.experts_down_proj[e].copy_(tensors.get(ex + "w2.weight"))
                     continue
                 layer.router.copy_(tensors.get(mlp + "gate.weight"))
                 if mlp + "experts.gate_up_proj" in tensors:
-                    layer.experts_gate_up.copy_(tensors.get(mlp + "experts.gate_up_proj"))
-                    layer.experts_down.copy_(tensors.get(mlp + "experts.down_proj"))
+                    layer.experts_gate_up_proj.copy_(tensors.get(mlp + "experts.gate_up_proj"))
+                    layer.experts_down_proj.copy_(tensors.get(mlp + "experts.down_proj"))
                 else:
                     for e in range(config.num_experts):
                         ex = f"{mlp}experts.{e}."
-                        layer.experts_gate_up[e].copy_(
+                        layer.experts_gate_up_proj[e].copy_(
                             torch.cat((tensors.get(ex + "gate_proj.weight"), tensors.get(ex + "up_proj.weight")))
                         )
-                        layer.experts_down[e].copy_(tensors.get(ex + "down_proj.weight"))
+                        layer.experts_down_proj[e].copy_(tensors.get(ex + "down_proj.weight"))
             elif fused:
                 layer.gate_up_proj.copy_(tensors.get(p + "mlp.gate_up_proj.weight"))
             else:

@@ -35,6 +35,7 @@ __all__ = [
     "WEIGHT_FORMATS",
     "BlockQuantLinear",
     "DenseLinear",
+    "ExpertsLinear",
     "Fp16Linear",
     "Linear",
     "TopKRefinedLinear",
@@ -120,6 +121,22 @@ class DenseLinear(_Product):
     def nbytes(self) -> int:
         """Bytes of weight (and bias) read per product."""
         return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
+
+
+class ExpertsLinear:
+    """The same product of every expert of a mixture (``experts[e]``: expert ``e``'s, any
+    format), multiplied one expert at a time by the MoE dispatch
+    (:func:`core_engine.model.moe.moe_feed_forward`)."""
+
+    __slots__ = ("experts",)
+
+    def __init__(self, experts: list[_Product]) -> None:
+        self.experts = experts
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every expert's weights."""
+        return sum(e.nbytes for e in self.experts)  # type: ignore[attr-defined]
 
 
 class Fp16Linear(_Product):

@@ -23,6 +23,7 @@ from core_engine.model.block_weights import BlockSource
 from core_engine.model.config import LlamaConfig
 from core_engine.model.linear import (
     DenseLinear,
+    ExpertsLinear,
     Linear,
     TopKRefinedLinear,
     block_linear,
@@ -49,9 +50,22 @@ def _match_format(
     return default
 
 
-def _pack(fmt: str, name: str, weight: Tensor, bias: Tensor | None, source: BlockSource | None) -> Linear:
+def _pack(
+    fmt: str, name: str, weight: Tensor, bias: Tensor | None, source: BlockSource | None
+) -> Linear | ExpertsLinear:
     """``weight`` (the dense parameter) as a product in ``fmt``, from the file's blocks when
-    ``source`` has them in that format."""
+    ``source`` has them in that format. A stacked (experts, out, in) weight becomes an
+    :class:`ExpertsLinear` of one product per expert."""
+    if weight.dim() == 3:
+        num_experts, rows = weight.shape[:2]
+        blocks = source.block_weight(name, fmt) if fmt in ("int4", "int8") and source is not None else None
+        if blocks is None:
+            return ExpertsLinear([_pack(fmt, name, w, None, None) for w in weight])  # type: ignore[misc]
+        per_expert = [None if t is None else t.view(num_experts, rows, *t.shape[1:]) for t in blocks]
+        return ExpertsLinear([
+            block_linear(tuple(None if t is None else t[e] for t in per_expert), None, device=weight.device)  # type: ignore[arg-type]
+            for e in range(num_experts)
+        ])
     if fmt in ("int4", "int8") and source is not None:
         blocks = source.block_weight(name, fmt)
         if blocks is not None:
@@ -257,6 +271,8 @@ class LlamaModel(nn.Module):
                 name = f"layers.{i}.{product}"
                 setattr(layer, product, _pack(formats[name], name, weight, bias, source))
             layer.qkv_proj = layer.qkv_bias = layer.o_proj = layer.gate_up_proj = layer.down_proj = None
+            if hasattr(layer, "experts_gate_up_proj"):
+                layer.experts_gate_up_proj = layer.experts_down_proj = None
         head_format = formats["head"]
         self.head = _pack(head_format, "head", self.lm_head, None, source)
         refine = head_format in ("int8", "int4") and self.config.tie_word_embeddings
@@ -269,7 +285,7 @@ class LlamaModel(nn.Module):
         self.layer_formats = {n: f for n, f in formats.items() if f != resolved}
         return resolved
 
-    def product(self, name: str) -> Linear:
+    def product(self, name: str) -> Linear | ExpertsLinear:
         """The product called ``name`` (see :meth:`product_names`)."""
         if name == "head":
             return self.head
@@ -299,11 +315,12 @@ class LlamaModel(nn.Module):
             lin = self.product(name)
             if isinstance(lin, TopKRefinedLinear):
                 add(lin._exact)
-            if isinstance(lin, DenseLinear):
-                add(lin.weight)
-                add(lin.bias)
-            else:
-                total += lin.nbytes
+            for part in lin.experts if isinstance(lin, ExpertsLinear) else [lin]:
+                if isinstance(part, DenseLinear):
+                    add(part.weight)
+                    add(part.bias)
+                else:
+                    total += part.nbytes
         return total
 
     @property

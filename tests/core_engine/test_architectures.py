@@ -133,3 +133,37 @@ def _greedy(n: int):
     from core_engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0"])
+def test_moe_experts_are_stored_from_the_files_blocks(arch: str, file_type: str, tmp_path: Path) -> None:
+    # llama.cpp's quantiser writes the stacked expert tensors as file_type; the engine stores
+    # each expert's products from those blocks (no second rounding) in the matching block
+    # format, and the model stays as close to its exactly dequantised self as a dense one.
+    from core_engine.model.linear import BlockQuantLinear
+    from tests.core_engine.test_tensor_types import llamacpp_quantize
+
+    path = llamacpp_quantize(write_gguf(tiny_hf_model(arch), tmp_path / "f32.gguf"), tmp_path / "q.gguf", file_type)
+    exact = _ours(path, IDS)
+    model, config, _ = load_model(path, dtype=torch.float32, show_progress=False)
+    gguf_file = GGUFFile(path)
+    model.set_weight_format("auto")
+    fmt = "int8" if file_type == "Q8_0" else "int4"
+    for i, layer in enumerate(model.layers):
+        gate, up, down = (
+            gguf_file.dequantized(f"blk.{i}.ffn_{n}_exps.weight") for n in ("gate", "up", "down")
+        )  # (experts, rows, cols)
+        for e in range(config.num_experts):
+            gate_up, down_e = layer.experts_gate_up.experts[e], layer.experts_down.experts[e]
+            assert isinstance(gate_up, BlockQuantLinear) and gate_up.weight_format == fmt
+            assert torch.equal(gate_up.dequantized(), torch.cat((gate[e], up[e])))
+            assert torch.equal(down_e.dequantized(), down[e])
+    assert not [t for t in model.block_source.requantized if "_exps" in t]
+    with torch.inference_mode():
+        packed = model(torch.tensor(IDS), torch.arange(len(IDS)), ContiguousAttention(config.num_layers)).float()
+    p = exact.log_softmax(-1)
+    kl = float((p.exp() * (p - packed.log_softmax(-1))).sum(-1).mean())
+    assert kl < 0.05, f"{arch} {file_type}: KL {kl:.4f}"
+    engine = make_engine(path, weight_format="auto", dtype="float32")
+    assert len(run_all(engine, {"p": IDS[:12]}, _greedy(8))["p"]["token_ids"]) == 8
