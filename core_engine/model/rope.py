@@ -39,7 +39,7 @@ def longrope_freq_factors(short: Tensor, long: Tensor, *, context_window: int, o
     when the window is longer than the pretraining context ``original_context``, else ``short``.
 
     One set for every position, chosen once by the configured context (llama.cpp's rule on its
-    ``n_ctx``, and vLLM's): a sequence's cached keys never change rotation as it grows.
+    ``n_ctx``): a sequence's cached keys never change rotation as it grows.
     ``transformers`` instead chooses per forward by the sequence's length, so it agrees with this
     whenever the sequence and the window fall on the same side of ``original_context``.
     """
