@@ -42,6 +42,7 @@ from core_engine.model.config import LlamaConfig, RopeScaling
 from core_engine.model.llama import LlamaModel
 from core_engine.model.llamacpp_numerics import NUMERICS, LlamaCppModel, attach_llamacpp_numerics
 from core_engine.model.quant import dequantize
+from core_engine.model.rope import longrope_freq_factors
 from core_engine.tokenizer import Tokenizer
 
 __all__ = ["GGUFBlockSource", "GGUFFile", "GGUFLoadError", "file_type_name", "load_model", "preferred_dtype"]
@@ -160,8 +161,6 @@ class GGUFFile:
     def llama_config(self) -> LlamaConfig:
         """Hyper-parameters for :class:`LlamaModel`, validated against what the engine supports."""
         arch = self.arch_spec.name
-        if self.has_tensor("rope_factors_long.weight") or self.has_tensor("rope_factors_short.weight"):
-            raise GGUFLoadError(f"{self.path}: LongRoPE (rope_factors_long/short) is not supported")
         hidden = int(self._arch_key("embedding_length", required=True))
         num_heads = int(self._arch_key("attention.head_count", required=True))
         num_kv_heads = int(self._arch_key("attention.head_count_kv", num_heads))
@@ -212,6 +211,8 @@ class GGUFFile:
     def _rope_scaling(self) -> RopeScaling | None:
         kind = self._arch_key("rope.scaling.type")
         factor = self._arch_key("rope.scaling.factor")
+        if self.has_tensor("rope_factors_long.weight") or self.has_tensor("rope_factors_short.weight"):
+            return self._longrope_scaling(kind, factor)
         if kind is None and self._arch_key("rope.scale_linear") is not None:
             kind, factor = "linear", self._arch_key("rope.scale_linear")
         if kind in (None, "none") or factor in (None, 0.0, 1.0):
@@ -219,6 +220,35 @@ class GGUFFile:
         if kind != "linear":
             raise GGUFLoadError(f"{self.path}: RoPE scaling {kind!r} is not supported (only linear)")
         return RopeScaling(kind="linear", factor=float(factor))
+
+    def _longrope_scaling(self, kind: str | None, factor: float | None) -> RopeScaling:
+        """Phi-3's LongRoPE as llama.cpp's converter writes it: both factor tensors, the original
+        context and the attention factor (llama.cpp's defaults where a key is missing)."""
+        if not (self.has_tensor("rope_factors_long.weight") and self.has_tensor("rope_factors_short.weight")):
+            raise GGUFLoadError(f"{self.path}: LongRoPE needs both rope_factors_long and rope_factors_short")
+        if kind not in (None, "none", "linear") or factor not in (None, 0.0, 1.0):
+            raise GGUFLoadError(f"{self.path}: LongRoPE with RoPE scaling {kind!r} x{factor} is not supported")
+        context = int(self._arch_key("context_length", 4096))
+        original = int(self._arch_key("rope.scaling.original_context_length", context))
+        return RopeScaling(
+            kind="longrope", factor=context / original, original_context=original,
+            attention_factor=float(self._arch_key("rope.scaling.attn_factor", 1.0)),
+        )
+
+    def rope_freq_factors(self, config: LlamaConfig, max_model_len: int | None = None) -> Tensor | None:
+        """The per-pair RoPE divisors the model runs with: ``rope_freqs.weight`` (Llama 3.x), or
+        LongRoPE's long or short set for the engine's context window (see
+        :func:`~core_engine.model.rope.longrope_freq_factors`); None when the file has neither."""
+        if self.has_tensor("rope_freqs.weight"):
+            return self.dequantized("rope_freqs.weight")
+        scaling = config.rope_scaling
+        if scaling is None or scaling.kind != "longrope":
+            return None
+        assert scaling.original_context is not None
+        return longrope_freq_factors(
+            self.dequantized("rope_factors_short.weight"), self.dequantized("rope_factors_long.weight"),
+            context_window=config.context_window(max_model_len), original_context=scaling.original_context,
+        )
 
     def tokenizer(self) -> Tokenizer:
         """The file's tokenizer (``tokenizer.ggml.*`` metadata)."""
@@ -361,6 +391,7 @@ def load_model(
     device: torch.device | str = "cpu",
     show_progress: bool | None = None,
     numerics: str = "exact",
+    max_model_len: int | None = None,
 ) -> tuple[LlamaModel, LlamaConfig, Tokenizer]:
     """Read ``path`` (a GGUF file, or a Hugging Face checkpoint directory:
     :mod:`core_engine.hf_loader`) and build the model, its config and its tokenizer.
@@ -372,6 +403,9 @@ def load_model(
     ``"llamacpp"`` builds a :class:`~core_engine.model.llamacpp_numerics.LlamaCppModel` that
     reproduces llama.cpp's CPU arithmetic (8-bit activations, F16 KV; fp32 only) for oracle
     comparisons.
+    ``max_model_len``: the engine's context window (None: the trained context length, as
+    :class:`~core_engine.config.EngineConfig` takes it); LongRoPE models choose their long or
+    short factors by it.
     """
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
@@ -380,7 +414,9 @@ def load_model(
     if is_hf_checkpoint(path):  # a Hugging Face checkpoint directory instead of a GGUF file
         if numerics != "exact":
             raise ValueError("numerics='llamacpp' needs a GGUF file")
-        return load_hf_model(path, dtype=dtype or preferred_dtype(device), device=device)  # type: ignore[return-value]
+        return load_hf_model(  # type: ignore[return-value]
+            path, dtype=dtype or preferred_dtype(device), device=device, max_model_len=max_model_len
+        )
     if numerics == "llamacpp" and GGUFFile(path).architecture != "llama":
         raise ValueError("numerics='llamacpp' reproduces llama.cpp's arithmetic for the llama architecture only")
     if numerics == "llamacpp" and dtype not in (None, torch.float32):
@@ -396,7 +432,9 @@ def load_model(
         gguf_file.path.name, config.name or config.architecture, config.num_layers,
         config.hidden_size, dtype, device,
     )
-    freq_factors = gguf_file.dequantized("rope_freqs.weight") if gguf_file.has_tensor("rope_freqs.weight") else None
+    if numerics == "llamacpp" and config.rope_scaling is not None and config.rope_scaling.kind == "longrope":
+        raise ValueError("numerics='llamacpp' does not reproduce LongRoPE")
+    freq_factors = gguf_file.rope_freq_factors(config, max_model_len)
     with torch.no_grad():
         model = model_class(
             config,

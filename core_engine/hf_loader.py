@@ -118,8 +118,10 @@ def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaCo
         kind = scaling_cfg.get("rope_type") or scaling_cfg.get("type")
         if kind == "linear":
             scaling = RopeScaling(kind="linear", factor=float(scaling_cfg["factor"]))
+        elif kind in ("longrope", "su"):  # Phi-3's; "su" its older name
+            scaling = _longrope_scaling(cfg, scaling_cfg)
         elif kind not in (None, "default", "llama3"):  # llama3: per-pair factors, see _freq_factors
-            raise HFLoadError(f"{directory}: RoPE scaling {kind!r} is not supported (linear and llama3 are)")
+            raise HFLoadError(f"{directory}: RoPE scaling {kind!r} is not supported (linear, llama3 and longrope are)")
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         raise HFLoadError(f"{directory}: partial RoPE is not supported")
     moe: dict[str, int] = {}
@@ -161,12 +163,35 @@ def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaCo
     return msgspec.structs.replace(config, **own)
 
 
-def _freq_factors(directory: Path, config: LlamaConfig) -> Tensor | None:
-    """Llama 3.1-style RoPE factors from config.json's ``rope_scaling`` (None otherwise)."""
-    from core_engine.model.rope import llama3_freq_factors
+def _longrope_scaling(cfg: dict[str, Any], scaling_cfg: dict[str, Any]) -> RopeScaling:
+    """LongRoPE's parameters as ``transformers`` reads them: Phi-3's top-level
+    ``original_max_position_embeddings`` first; ``factor`` the trained over the original
+    context; ``attention_factor`` from it unless given."""
+    from core_engine.model.rope import longrope_attention_factor
+
+    trained = int(cfg.get("max_position_embeddings", 4096))
+    original = int(cfg.get("original_max_position_embeddings") or scaling_cfg.get("original_max_position_embeddings") or trained)
+    factor = float(scaling_cfg.get("factor") or trained / original)
+    attention = scaling_cfg.get("attention_factor")
+    return RopeScaling(
+        kind="longrope", factor=factor, original_context=original,
+        attention_factor=float(attention) if attention is not None else longrope_attention_factor(factor, original),
+    )
+
+
+def _freq_factors(directory: Path, config: LlamaConfig, max_model_len: int | None = None) -> Tensor | None:
+    """Per-pair RoPE divisors from config.json's ``rope_scaling``: Llama 3.1's, or LongRoPE's
+    long or short set for the engine's context window (None otherwise)."""
+    from core_engine.model.rope import llama3_freq_factors, longrope_freq_factors
 
     cfg = _config_json(directory)
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if config.rope_scaling is not None and config.rope_scaling.kind == "longrope":
+        assert config.rope_scaling.original_context is not None
+        return longrope_freq_factors(
+            torch.tensor(scaling["short_factor"], dtype=torch.float32), torch.tensor(scaling["long_factor"], dtype=torch.float32),
+            context_window=config.context_window(max_model_len), original_context=config.rope_scaling.original_context,
+        )
     if (scaling.get("rope_type") or scaling.get("type")) != "llama3":
         return None
     return llama3_freq_factors(
@@ -178,9 +203,10 @@ def _freq_factors(directory: Path, config: LlamaConfig) -> Tensor | None:
 
 
 def load_hf_model(
-    path: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu"
+    path: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu", max_model_len: int | None = None
 ) -> tuple[LlamaModel, LlamaConfig, HFTokenizer]:
-    """The model, config and tokenizer of the checkpoint directory ``path``."""
+    """The model, config and tokenizer of the checkpoint directory ``path`` (``max_model_len``:
+    the engine's context window, which picks LongRoPE's factors; None: the trained length)."""
     started = time.perf_counter()
     directory = Path(path)
     tensors = _Tensors(directory)
@@ -198,7 +224,7 @@ def load_hf_model(
     with torch.no_grad():
         bias = any(f"model.layers.0.self_attn.{n}.bias" in tensors for n in ("q_proj", "qkv_proj"))
         model = LlamaModel(
-            config, dtype=dtype, device=device, qkv_bias=bias, rope_freq_factors=_freq_factors(directory, config)
+            config, dtype=dtype, device=device, qkv_bias=bias, rope_freq_factors=_freq_factors(directory, config, max_model_len)
         )
         model.embed_tokens.copy_(tensors.get("model.embed_tokens.weight"))
         model.norm.copy_(norm("model.norm.weight"))

@@ -192,7 +192,7 @@ class LLMEngine:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.max_model_len = min(config.max_model_len or model_config.context_length, model_config.context_length)
+        self.max_model_len = model_config.context_window(config.max_model_len)
         block_bytes = KVCache.bytes_per_block(
             num_layers=model_config.num_layers,
             block_size=config.block_size,
@@ -340,7 +340,10 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         config = apply_quantization_policy(config, (policies or EnginePolicies()).quantization)
         dtype = resolve_dtype(config.dtype, config.device, config.weight_format)
-        model, _, tokenizer = load_model(config.model_path, dtype=dtype, device=config.device)
+        # The context window goes to the loader too: LongRoPE models choose their factors by it.
+        model, _, tokenizer = load_model(
+            config.model_path, dtype=dtype, device=config.device, max_model_len=config.max_model_len
+        )
         pack_weights(model, config, tokenizer)
         draft_model = None
         spec = config.speculation
@@ -349,7 +352,9 @@ class LLMEngine:
             if os.path.realpath(spec.draft_model_path) == os.path.realpath(config.model_path):
                 draft_model = model  # its own draft (exactness tests): one copy of the weights
             else:
-                draft_model, _, draft_tokenizer = load_model(spec.draft_model_path, dtype=dtype, device=config.device)
+                draft_model, _, draft_tokenizer = load_model(
+                    spec.draft_model_path, dtype=dtype, device=config.device, max_model_len=config.max_model_len
+                )
                 pack_weights(draft_model, config, draft_tokenizer, budget=False)
                 if draft_tokenizer.stop_token_ids != tokenizer.stop_token_ids:
                     raise ValueError("speculation.draft_model_path: the draft's tokenizer is not the target's")

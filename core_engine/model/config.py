@@ -10,12 +10,19 @@ __all__ = ["LlamaConfig", "RopeScaling"]
 class RopeScaling(msgspec.Struct, kw_only=True, frozen=True):
     """RoPE position scaling from ``{arch}.rope.scaling.*`` (only what we implement).
 
-    ``kind`` is ``"linear"`` (positions divided by ``factor``); per-dimension frequency factors
-    (Llama 3.x ``rope_freqs.weight``) are carried by the model weights, not here.
+    ``kind`` is ``"linear"`` (positions divided by ``factor``) or ``"longrope"`` (Phi-3's
+    LongRoPE: per-pair frequency divisors, a short and a long set, and cos/sin scaled by
+    ``attention_factor``; ``factor`` is the trained over the original context). Per-dimension
+    frequency factors (Llama 3.x ``rope_freqs.weight``, LongRoPE's chosen set) are carried by
+    the model weights, not here.
     """
 
     kind: str
     factor: float
+    #: LongRoPE: the pretraining context; an engine context longer than it takes the long factors.
+    original_context: int | None = None
+    #: LongRoPE: multiplier of cos and sin (``{arch}.rope.scaling.attn_factor``).
+    attention_factor: float = 1.0
 
 
 class LlamaConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -64,6 +71,11 @@ class LlamaConfig(msgspec.Struct, kw_only=True, frozen=True):
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str | None = None
+
+    def context_window(self, max_model_len: int | None = None) -> int:
+        """The engine's context window: ``max_model_len`` capped at the trained context length
+        (None: the trained length)."""
+        return min(max_model_len or self.context_length, self.context_length)
 
     @property
     def q_size(self) -> int:

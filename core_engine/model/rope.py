@@ -1,13 +1,19 @@
-"""Rotary position embedding (rotate-half layout) with the scalings the loader understands."""
+"""Rotary position embedding (rotate-half layout) with the scalings the loader understands:
+linear, Llama 3.1's per-pair factors, and Phi-3's LongRoPE (its set chosen by the engine's
+context window, see :func:`longrope_freq_factors`)."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import Tensor, nn
 
 from core_engine.model.config import LlamaConfig
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "llama3_freq_factors"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "llama3_freq_factors", "longrope_attention_factor", "longrope_freq_factors"]
+
+logger = logging.getLogger(__name__)
 
 
 def llama3_freq_factors(
@@ -28,6 +34,30 @@ def llama3_freq_factors(
     return out.float()
 
 
+def longrope_freq_factors(short: Tensor, long: Tensor, *, context_window: int, original_context: int) -> Tensor:
+    """The LongRoPE frequency divisors an engine with ``context_window`` positions uses: ``long``
+    when the window is longer than the pretraining context ``original_context``, else ``short``.
+
+    One set for every position, chosen once by the configured context (llama.cpp's rule on its
+    ``n_ctx``): a sequence's cached keys never change rotation as it grows.
+    ``transformers`` instead chooses per forward by the sequence's length, so it agrees with this
+    whenever the sequence and the window fall on the same side of ``original_context``.
+    """
+    is_long = context_window > original_context
+    logger.info("LongRoPE: context window %d %s original context %d: the %s factors", context_window,
+                ">" if is_long else "<=", original_context, "long" if is_long else "short")
+    return long if is_long else short
+
+
+def longrope_attention_factor(factor: float, original_context: int) -> float:
+    """LongRoPE's cos/sin multiplier where the config gives none: ``sqrt(1 + ln(factor) /
+    ln(original_context))`` for ``factor`` (trained over original context) above 1, else 1
+    (what ``transformers`` computes and llama.cpp's converter writes as ``rope.scaling.attn_factor``)."""
+    import math
+
+    return math.sqrt(1.0 + math.log(factor) / math.log(original_context)) if factor > 1.0 else 1.0
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate pairs ``(i, i + D/2)`` of ``x`` (T, n, D) by the angles whose cos/sin are (T, 1, D/2)."""
     x1, x2 = x.chunk(2, dim=-1)  # (T, n, D/2) each
@@ -39,8 +69,10 @@ class RotaryEmbedding(nn.Module):
 
     The angle of pair ``i`` at position ``p`` is ``p * scale / freq_factor[i] * theta^(-2i/D)``
     (llama.cpp's ``rope_ext`` without YaRN): ``scale`` is ``1/factor`` for linear scaling and
-    ``freq_factors`` come from a ``rope_freqs.weight`` tensor (Llama 3.x long-context models).
-    Tables are computed in float64 and stored in ``dtype``.
+    ``freq_factors`` come from a ``rope_freqs.weight`` tensor (Llama 3.x long-context models) or
+    are LongRoPE's short or long set (:func:`longrope_freq_factors`), whose
+    ``attention_factor`` then multiplies cos and sin. Tables are computed in float64 and stored
+    in ``dtype``.
     """
 
     def __init__(
@@ -61,8 +93,9 @@ class RotaryEmbedding(nn.Module):
         if config.rope_scaling is not None and config.rope_scaling.kind == "linear":
             positions = positions / config.rope_scaling.factor
         angles = torch.outer(positions, inv_freq)  # (max_positions, D/2)
-        self.register_buffer("cos", angles.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(device=device, dtype=dtype), persistent=False)
+        mscale = config.rope_scaling.attention_factor if config.rope_scaling is not None else 1.0
+        self.register_buffer("cos", (angles.cos() * mscale).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", (angles.sin() * mscale).to(device=device, dtype=dtype), persistent=False)
 
     @property
     def max_positions(self) -> int:

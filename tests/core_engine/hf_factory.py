@@ -60,15 +60,16 @@ def vocab_size(arch: str) -> int:
     return len(_vocab(arch)[0])
 
 
-def tiny_hf_model(arch: str, *, seed: int = 0) -> Any:
-    """A random-weight ``transformers`` causal LM of ``arch`` (fp32, eager attention)."""
+def tiny_hf_model(arch: str, *, seed: int = 0, **config_overrides: Any) -> Any:
+    """A random-weight ``transformers`` causal LM of ``arch`` (fp32, eager attention);
+    ``config_overrides`` go to its config (e.g. Phi-3's ``rope_scaling``)."""
     import transformers
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size(arch), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-    )
+    ) | config_overrides
     if arch == "llama":
         config = transformers.LlamaConfig(**common, rope_theta=10000.0, attention_bias=False)
         cls = transformers.LlamaForCausalLM
@@ -175,6 +176,10 @@ def write_gguf(model: Any, path: str | Path) -> Path:
         rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
         writer.add_rope_freq_base(float(rope_theta))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    longrope = _longrope(cfg)
+    if longrope is not None:
+        writer.add_rope_scaling_orig_ctx_len(longrope["original"])
+        writer.add_rope_scaling_attn_factors(longrope["attn_factor"])
     writer.add_vocab_size(cfg.vocab_size)
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg.sliding_window)
@@ -201,6 +206,9 @@ def write_gguf(model: Any, path: str | Path) -> Path:
         state = {k: v + 1.0 if "norm" in k else v for k, v in state.items()}
     permute = arch == "llama"  # Mixtral too: llama.cpp writes it as llama
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    if longrope is not None:
+        writer.add_tensor("rope_factors_long.weight", longrope["long"])
+        writer.add_tensor("rope_factors_short.weight", longrope["short"])
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"blk.{i}."
         names = {
@@ -248,6 +256,25 @@ def write_gguf(model: Any, path: str | Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _longrope(cfg: Any) -> dict[str, Any] | None:
+    """What llama.cpp's converter (``Phi3MiniModel``) writes for a LongRoPE config: the original
+    context, ``attn_factor`` from the trained over the original context (a config's own
+    ``attention_factor`` is not read), and the two factor sets as F32 tensors."""
+    import math
+
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") not in ("longrope", "su"):
+        return None
+    original = rope["original_max_position_embeddings"]
+    scale = cfg.max_position_embeddings / original
+    return {
+        "original": original,
+        "attn_factor": math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0,
+        "long": np.array(rope["long_factor"], dtype=np.float32),
+        "short": np.array(rope["short_factor"], dtype=np.float32),
+    }
 
 
 def save_checkpoint(model: Any, directory: str | Path) -> Path:
