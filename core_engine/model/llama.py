@@ -293,8 +293,15 @@ class LlamaModel(nn.Module):
         return getattr(self.layers[int(idx)], product)
 
     def matmul_weight_bytes(self) -> int:
-        """Bytes of projection and LM-head weight one forward step reads (a decode roofline)."""
-        layers = sum(getattr(layer, p).nbytes for layer in self.layers for p in layer.PRODUCTS)
+        """Bytes of projection and LM-head weight a one-token decode step reads (a decode
+        roofline): of a mixture's experts, the ``num_experts_used`` it multiplies."""
+        cfg = self.config
+        used = cfg.num_experts_used / cfg.num_experts if cfg.num_experts else 1.0
+
+        def read(product: Linear | ExpertsLinear) -> float:
+            return product.nbytes * (used if isinstance(product, ExpertsLinear) else 1.0)
+
+        layers = round(sum(read(getattr(layer, p)) for layer in self.layers for p in layer.PRODUCTS))
         return layers + sum(layer.other_weight_bytes() for layer in self.layers) + self.head.nbytes
 
     def resident_weight_bytes(self) -> int:

@@ -12,7 +12,9 @@ shape; nothing is measured or read here.
   token. A request holds whole blocks.
 * Decode at batch N: the lesser of the bandwidth bound
   ``N x bandwidth / (weight bytes read per step + N x KV bytes per token x context / 2)``
-  and the compute bound ``ops/s / (2 x matmul params per token)``.
+  and the compute bound ``ops/s / (2 x matmul params per token)``. In a mixture of experts a
+  token multiplies ``k`` of a layer's ``E`` experts, and a step of N tokens reads the experts
+  any of them chose: ``1 - (1 - k/E)^N`` of the experts' bytes, with independent choices.
 * Prefill: compute bound, ``ops/s / FLOPs per prompt token`` for a prompt of ``context``
   tokens (projections, causal attention, the head once per prompt).
 """
@@ -67,11 +69,19 @@ class WeightInventory(msgspec.Struct, frozen=True, kw_only=True):
     eight_bit_layer_params: int = 0
     #: Whether the head's tensor is not 4-bit blocks (SmolLM2's Q4_1 file keeps a Q8_0 head).
     eight_bit_head: bool = False
+    #: Of ``layer_params``, the experts of a mixture (``ffn_*_exps``), and the share of them a
+    #: token multiplies (``num_experts_used / num_experts``).
+    expert_params: int = 0
+    expert_fraction: float = 1.0
 
     @property
     def matmul_params(self) -> int:
-        """Weights each decoded token multiplies: the projections and the head."""
-        return self.layer_params + self.head_params
+        """Weights each decoded token multiplies: the projections (its experts only) and the head."""
+        return round(self.layer_params - self.expert_params * (1.0 - self.expert_fraction)) + self.head_params
+
+    def experts_read(self, num_seqs: int) -> float:
+        """Share of the experts' weights a step of ``num_seqs`` tokens reads (1 without experts)."""
+        return 1.0 - (1.0 - self.expert_fraction) ** num_seqs
 
 
 class PlanRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,9 +161,13 @@ def weight_bytes(weights: WeightInventory, weight_format: str, dtype: str) -> in
     return products + head + weights.embedding_params * dense + weights.vector_params * dense
 
 
-def weight_bytes_read_per_step(weights: WeightInventory, weight_format: str, dtype: str) -> int:
-    """Bytes of weight one decode step reads: every product once, and the norms."""
+def weight_bytes_read_per_step(weights: WeightInventory, weight_format: str, dtype: str, num_seqs: int = 1) -> int:
+    """Bytes of weight a decode step of ``num_seqs`` tokens reads: every product once (of a
+    mixture's experts, those the tokens chose), and the norms."""
     layers, head = _product_bytes(weights, weight_format, dtype)
+    if weights.expert_params:  # the experts' bytes taken as their share of the layer params
+        experts = layers * weights.expert_params / weights.layer_params
+        layers = round(layers - experts * (1.0 - weights.experts_read(num_seqs)))
     return layers + head + weights.vector_params * _dtype(dtype).itemsize
 
 
@@ -202,7 +216,7 @@ def _prefill_flops_per_token(config: LlamaConfig, weights: WeightInventory, cont
     """FLOPs per token of a ``context``-token prompt: the projections, causal attention (QK^T
     and PV over (context + 1) / 2 positions on average), and the head once per prompt."""
     attention = 4 * config.num_layers * config.num_heads * config.head_dim * (context + 1) / 2
-    return 2 * weights.layer_params + attention + 2 * weights.head_params / context
+    return 2 * (weights.matmul_params - weights.head_params) + attention + 2 * weights.head_params / context
 
 
 def _lesser(memory_bound: float | None, compute_bound: float | None) -> tuple[float | None, Bound | None]:
@@ -246,7 +260,8 @@ def estimate_row(
             return None
         if num_seqs == 1 and stream is not None:
             return 1.0 / (read_bytes / min(bandwidth, stream.value) + kv_read_per_seq / bandwidth)
-        return num_seqs * bandwidth / (read_bytes + num_seqs * kv_read_per_seq)
+        read = weight_bytes_read_per_step(weights, weight_format, dtype, num_seqs)
+        return num_seqs * bandwidth / (read + num_seqs * kv_read_per_seq)
 
     compute_bound = None if decode_rate is None else decode_rate.value / (2 * weights.matmul_params)
     batch1, bound1 = _lesser(memory_bound(1), compute_bound)

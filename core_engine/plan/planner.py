@@ -140,7 +140,7 @@ def _read_model(path: str, mtime_ns: int, size: int) -> _ModelFacts:
     def eight_bit(tensor: Any) -> bool:
         return not is_exact("int4", GGMLQuantizationType(tensor.tensor_type))
 
-    layer = head = embedding = vector = eight_bit_layer = 0
+    layer = head = embedding = vector = eight_bit_layer = experts = 0
     head_eight_bit = False
     for tensor in gguf_file.reader.tensors:
         count = int(tensor.n_elements)
@@ -156,6 +156,7 @@ def _read_model(path: str, mtime_ns: int, size: int) -> _ModelFacts:
         elif sum(1 for n in tensor.shape.tolist() if n > 1) >= 2:
             layer += count
             eight_bit_layer += count if eight_bit(tensor) else 0
+            experts += count if "_exps." in tensor.name else 0
         else:
             vector += count
     weights = WeightInventory(
@@ -166,6 +167,8 @@ def _read_model(path: str, mtime_ns: int, size: int) -> _ModelFacts:
         tied_embeddings=config.tie_word_embeddings,
         eight_bit_layer_params=eight_bit_layer,
         eight_bit_head=head_eight_bit,
+        expert_params=experts,
+        expert_fraction=config.num_experts_used / config.num_experts if config.num_experts else 1.0,
     )
     return _ModelFacts(config, weights, gguf_file.file_type)
 

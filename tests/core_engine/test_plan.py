@@ -241,9 +241,9 @@ def test_cli_refuses_a_directory_without_one_gguf_and_other_architectures(
 ) -> None:
     code, _, err = _run_cli(["--model", str(tmp_path)], capsys)
     assert code == 2 and "argument --model" in err and "exactly one .gguf" in err
-    path = write_llama_gguf(tmp_path / "gemma.gguf", spec=TinyLlamaSpec(architecture="gemma2"))
+    path = write_llama_gguf(tmp_path / "falcon.gguf", spec=TinyLlamaSpec(architecture="falcon"))
     code, _, err = _run_cli(["--model", str(path), "--device", "l4"], capsys)
-    assert code == 2 and "argument --model" in err and "architecture 'gemma2' is not supported" in err
+    assert code == 2 and "argument --model" in err and "architecture 'falcon' is not supported" in err
 
 
 def test_cli_cuda_without_a_gpu_names_device(capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,3 +273,28 @@ def test_a_loaded_engines_weight_and_kv_memory_are_within_10_percent_of_the_plan
     assert row.weight_bytes_read_per_step == pytest.approx(model.matmul_weight_bytes(), rel=0.10)
     per_token = cache.nbytes / (cache.num_blocks * cache.block_size)
     assert row.kv_bytes_per_token == pytest.approx(per_token, rel=0.10)
+
+
+def test_a_mixture_of_experts_reads_only_the_experts_its_tokens_choose(tmp_path: Path) -> None:
+    # A tiny Qwen3-MoE (4 experts, 2 per token) as llama.cpp's quantiser writes it at Q8_0.
+    import torch
+
+    from core_engine.gguf_loader import load_model
+    from tests.core_engine.hf_factory import tiny_hf_model, write_gguf
+    from tests.core_engine.test_tensor_types import llamacpp_quantize
+
+    path = llamacpp_quantize(write_gguf(tiny_hf_model("qwen3moe"), tmp_path / "f32.gguf"), tmp_path / "moe.gguf", "Q8_0")
+    plan = plan_model(path, device="h100", context=64, concurrency=8)
+    weights = plan.weights
+    assert weights.expert_params > weights.layer_params / 2 and weights.expert_fraction == 0.5
+    assert weights.matmul_params == weights.layer_params - weights.expert_params // 2 + weights.head_params
+    row = plan.row("int8", "bfloat16")
+    # One token reads half of the experts; eight tokens nearly all (1 - 0.5^8).
+    from core_engine.plan.estimate import weight_bytes_read_per_step
+
+    one, eight = (weight_bytes_read_per_step(weights, "int8", "bfloat16", n) for n in (1, 8))
+    assert row.weight_bytes_read_per_step == one < eight < row.weight_bytes
+    model, _, _ = load_model(path, dtype=torch.bfloat16, show_progress=False)
+    model.set_weight_format("int8")
+    assert row.weight_bytes == pytest.approx(model.resident_weight_bytes(), rel=0.10)
+    assert row.weight_bytes_read_per_step == pytest.approx(model.matmul_weight_bytes(), rel=0.10)
