@@ -16,7 +16,9 @@ the same lattice, but ``sentencepiece`` adds scores in float32 and llama.cpp (li
 ``tokenizers``) in float64, so near-ties such as ``🎉`` + ``🎉🎉`` against ``🎉🎉`` + ``🎉`` went
 the other way on the test corpus. Only normal, user-defined (score 0) and unused pieces can be
 matched there, as in llama.cpp; the others get a text with an ASCII space, which step 2 never
-leaves in the text. Special tokens are split out first as for the BPE SentencePiece files
+leaves in the text. Pieces scoring below every normal piece (the converter's -1000 padding and
+added tokens) are left out too, so that the unknown score stays llama.cpp's; llama.cpp would
+choose one only where every other path scores worse still (not seen in the tests). Special tokens are split out first as for the BPE SentencePiece files
 (:class:`~core_engine.tokenizer.spm.SentencePieceTokenizer`), and decoding is the same.
 """
 
@@ -113,17 +115,20 @@ class UnigramTokenizer(SentencePieceTokenizer):
                 raise TokenizerError(f"tokenizer.ggml.precompiled_charsmap rejected: {exc}") from exc
         file_types = self._file_types
         normal_scores = [float(s) for s, t in zip(scores, file_types, strict=True) if t == TokenType.NORMAL]
-        # Unmatchable pieces score the highest normal score so that tokenizers' unknown score
-        # (its lowest score - 10) is llama.cpp's (lowest normal score - 10).
+        min_score = min(normal_scores, default=0.0)
+        # tokenizers' unknown score is its lowest piece score - 10; llama.cpp's is the lowest
+        # *normal* score - 10. Unmatchable pieces get a harmless score, and matchable ones
+        # scoring below every normal piece (the converter's -1000 "[PAD…]" and added tokens)
+        # are made unmatchable too: llama.cpp would pick one only over a path scoring worse.
         filler = max(normal_scores, default=0.0)
         vocab: list[tuple[str, float]] = []
         for i, (text, score) in enumerate(zip(self._id_to_text, scores, strict=True)):
-            if file_types[i] not in _MATCHABLE:
+            # llama.cpp: user-defined pieces score 0, above every normal piece's log-probability.
+            viterbi_score = 0.0 if self._types[i] == TokenType.USER_DEFINED else float(score)
+            if file_types[i] not in _MATCHABLE or viterbi_score < min_score:
                 vocab.append((f" {i} {text}", filler))
-            elif self._types[i] == TokenType.USER_DEFINED:
-                vocab.append((text, 0.0))  # llama.cpp's: above every normal piece's log-probability
             else:
-                vocab.append((text, float(score)))
+                vocab.append((text, viterbi_score))
         user_defined = sorted(
             (self._id_to_text[i] for i, t in enumerate(file_types) if t == TokenType.USER_DEFINED), key=len, reverse=True
         )

@@ -27,12 +27,14 @@ UNIGRAM_TEXTS = (
     "  x  y  ",
     "a\u00a0\u00a0b\u3000c",
     "\u2581visible\u2581space\u2581",
+    "[PAD700] [PAD703] written as text",
 )
 TEXTS = (*CORPUS, *UNIGRAM_TEXTS)
-_VARIANTS = {  # tokenizer.ggml.add_space_prefix, tokenizer.ggml.remove_extra_whitespaces
-    "t5-flags": (True, True),
-    "keep-whitespace": (True, False),
-    "no-prefix": (False, True),
+_VARIANTS = {  # add_space_prefix, remove_extra_whitespaces, number of -1000 "[PAD…]" pieces
+    "t5-flags": (True, True, 0),
+    "keep-whitespace": (True, False, 0),
+    "no-prefix": (False, True, 0),
+    "padded": (True, True, 8),
 }
 
 
@@ -52,12 +54,28 @@ def unigram_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory / "tiny.model"
 
 
-def write_unigram_gguf(path: Path, model_file: Path, *, add_space_prefix: bool, remove_extra_whitespaces: bool) -> Path:
-    """A vocabulary-only ``t5`` GGUF (the hyperparameters llama.cpp reads for T5, no tensors)."""
+def model_pieces(model_file: Path) -> tuple[list[str], list[float], list[int], bytes]:
+    """Pieces, scores, GGUF token types (sentencepiece's types are GGUF's) and the normaliser's
+    precompiled charsmap of a SentencePiece model."""
     from sentencepiece import sentencepiece_model_pb2
 
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(model_file.read_bytes())
+    pieces = proto.pieces
+    return [p.piece for p in pieces], [p.score for p in pieces], [p.type for p in pieces], proto.normalizer_spec.precompiled_charsmap
+
+
+def write_unigram_gguf(
+    path: Path,
+    tokens: list[str],
+    scores: list[float],
+    token_types: list[int],
+    *,
+    charsmap: bytes = b"",
+    add_space_prefix: bool = True,
+    remove_extra_whitespaces: bool = True,
+) -> Path:
+    """A vocabulary-only ``t5`` GGUF (the hyperparameters llama.cpp reads for T5, no tensors)."""
     writer = gguf.GGUFWriter(str(path), "t5")
     writer.add_context_length(64)
     writer.add_embedding_length(8)
@@ -70,12 +88,13 @@ def write_unigram_gguf(path: Path, model_file: Path, *, add_space_prefix: bool, 
     writer.add_relative_attn_buckets_count(32)
     writer.add_decoder_start_token_id(0)
     writer.add_tokenizer_model("t5")
-    writer.add_token_list([p.piece for p in proto.pieces])
-    writer.add_token_scores([p.score for p in proto.pieces])
-    writer.add_token_types([p.type for p in proto.pieces])  # sentencepiece's types are GGUF's
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(token_types)
     writer.add_add_space_prefix(add_space_prefix)
     writer.add_remove_extra_whitespaces(remove_extra_whitespaces)
-    writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
+    if charsmap:
+        writer.add_precompiled_charsmap(charsmap)
     writer.add_pad_token_id(0)
     writer.add_eos_token_id(1)
     writer.add_unk_token_id(2)
@@ -90,9 +109,14 @@ def write_unigram_gguf(path: Path, model_file: Path, *, add_space_prefix: bool, 
 
 @pytest.fixture(scope="module", params=list(_VARIANTS))
 def unigram_gguf(request: pytest.FixtureRequest, unigram_model: Path) -> Path:
-    add_space_prefix, remove_extra_whitespaces = _VARIANTS[request.param]
+    add_space_prefix, remove_extra_whitespaces, num_padding = _VARIANTS[request.param]
+    tokens, scores, token_types, charsmap = model_pieces(unigram_model)
+    # llama.cpp's converter pads T5 vocabularies to the embedding rows with unused pieces.
+    tokens += [f"[PAD{len(tokens) + i}]" for i in range(num_padding)]
+    scores += [-1000.0] * num_padding
+    token_types += [5] * num_padding
     return write_unigram_gguf(
-        unigram_model.parent / f"{request.param}.gguf", unigram_model,
+        unigram_model.parent / f"{request.param}.gguf", tokens, scores, token_types, charsmap=charsmap,
         add_space_prefix=add_space_prefix, remove_extra_whitespaces=remove_extra_whitespaces,
     )
 
@@ -149,9 +173,8 @@ def test_unigram_ids_equal_sentencepiece_but_for_float32_ties(unigram_model: Pat
     import sentencepiece
 
     processor = sentencepiece.SentencePieceProcessor(model_file=str(unigram_model))
-    path = write_unigram_gguf(
-        unigram_model.parent / "oracle.gguf", unigram_model, add_space_prefix=True, remove_extra_whitespaces=True
-    )
+    tokens, scores, token_types, charsmap = model_pieces(unigram_model)
+    path = write_unigram_gguf(unigram_model.parent / "oracle.gguf", tokens, scores, token_types, charsmap=charsmap)
     ours = GGUFFile(path).tokenizer()
     plain = [t for t in TEXTS if "<" not in t and "＜" not in t]
     num_ties = 0
@@ -170,3 +193,21 @@ def test_a_unigram_vocabulary_needs_an_unknown_token() -> None:
         Tokenizer.from_gguf_metadata(
             {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.scores": [0.0]}
         )
+
+
+def test_the_unknown_score_is_the_lowest_normal_score_minus_ten(tmp_path: Path) -> None:
+    """A hand-made vocabulary where the unknown score decides: "▁w" + <unk> (-1 - 110) beats
+    "▁" + "wz" (-95 - 90) only if a -1000 padding piece does not lower the unknown score."""
+    import llama_cpp
+
+    tokens = ["<pad>", "</s>", "<unk>", "\u2581", "\u2581w", "wz", "b", "[PAD7]", "<extra_id_0>"]
+    scores = [0.0, 0.0, 0.0, -95.0, -1.0, -90.0, -100.0, -1000.0, -1000.0]
+    token_types = [3, 3, 2, 1, 1, 1, 1, 5, 4]
+    path = write_unigram_gguf(tmp_path / "handmade.gguf", tokens, scores, token_types)
+    ours = GGUFFile(path).tokenizer()
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    texts = ["wz", "wz b wz", "[PAD7]", "b[PAD7]b", "<extra_id_0>wz", "zz w"]
+    for text in texts:
+        assert ours.encode(text, add_special=False) == llm.tokenize(text.encode(), add_bos=False), text
+    assert ours.encode("wz", add_special=False) == [4, 2]
+    llm.close()
