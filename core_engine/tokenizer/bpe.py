@@ -120,10 +120,14 @@ class Tokenizer:
             from core_engine.tokenizer.spm import SentencePieceTokenizer
 
             return SentencePieceTokenizer.from_spm_metadata(metadata)
+        if model == "t5":  # SentencePiece unigram (T5, mT5)
+            from core_engine.tokenizer.unigram import UnigramTokenizer
+
+            return UnigramTokenizer.from_ugm_metadata(metadata)
         if model != "gpt2":
             raise TokenizerError(
                 f"tokenizer.ggml.model = {model!r} is not supported "
-                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)"
+                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece, 't5' SentencePiece unigram)"
             )
         tokens = metadata.get("tokenizer.ggml.tokens")
         merges = metadata.get("tokenizer.ggml.merges")

@@ -34,12 +34,17 @@ class SentencePieceTokenizer(Tokenizer):
         add_space_prefix: bool = True,
         **kwargs: Any,
     ) -> None:
-        import sentencepiece
-        from sentencepiece import sentencepiece_model_pb2
-
         super().__init__(tokens, [], token_types=token_types, **kwargs)
         if len(scores) != len(tokens):
             raise TokenizerError(f"{len(scores)} token scores for {len(tokens)} tokens")
+        self.add_space_prefix = add_space_prefix
+        self._load_segmenter(scores)
+
+    def _load_segmenter(self, scores: Sequence[float]) -> None:
+        """Build what :meth:`_encode_text` segments with (here a ``sentencepiece`` BPE model)."""
+        import sentencepiece
+        from sentencepiece import sentencepiece_model_pb2
+
         proto = sentencepiece_model_pb2.ModelProto()
         proto.trainer_spec.model_type = sentencepiece_model_pb2.TrainerSpec.BPE
         proto.trainer_spec.byte_fallback = any(t == TokenType.BYTE for t in self._types)
@@ -48,9 +53,9 @@ class SentencePieceTokenizer(Tokenizer):
         proto.normalizer_spec.remove_extra_whitespaces = False
         proto.normalizer_spec.escape_whitespaces = True
         kinds = sentencepiece_model_pb2.ModelProto.SentencePiece
-        for i, (text, score) in enumerate(zip(tokens, scores, strict=True)):
+        for i, (text, score) in enumerate(zip(self._id_to_text, scores, strict=True)):
             piece = proto.pieces.add()
-            piece.piece = text or f"[EMPTY_{i}]"
+            piece.piece = text
             piece.score = float(score)
             token_type = self._types[i]
             # Special texts never reach the segmenter (split out before): keep them out of it.
@@ -65,7 +70,6 @@ class SentencePieceTokenizer(Tokenizer):
             self._processor.LoadFromSerializedProto(proto.SerializeToString())
         except RuntimeError as exc:
             raise TokenizerError(f"SentencePiece vocabulary rejected: {exc}") from exc
-        self.add_space_prefix = add_space_prefix
 
     @classmethod
     def from_spm_metadata(cls, metadata: Mapping[str, Any]) -> SentencePieceTokenizer:
@@ -100,18 +104,19 @@ class SentencePieceTokenizer(Tokenizer):
         ids: list[int] = []
         if add_special and self.add_bos and self.bos_token_id is not None:
             ids.append(self.bos_token_id)
-        after_special = True  # the first run of text gets the space prefix too
+        # Fragments alternate: every run of text starts the input or follows a special token.
         for fragment in self._split_special(text, parse_special):
             if isinstance(fragment, int):
                 ids.append(fragment)
-                after_special = True
-                continue
-            prefix = " " if self.add_space_prefix and after_special else ""
-            ids.extend(self._processor.EncodeAsIds(prefix + fragment))
-            after_special = False
+            else:
+                ids.extend(self._encode_text(fragment))
         if add_special and self.add_eos and self.eos_token_id is not None:
             ids.append(self.eos_token_id)
         return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        """Ids of one run of ordinary text (no special-token texts in it)."""
+        return self._processor.EncodeAsIds((" " if self.add_space_prefix else "") + text)
 
     def _piece(self, token_id: int) -> bytes:
         token_type = self._types[token_id]
