@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core_engine.attention import AttentionContext
+from core_engine.attention import AttentionContext, LayerAttention
 from core_engine.model.architectures import Architecture
 from core_engine.model.block_weights import BlockSource
 from core_engine.model.config import LlamaConfig
@@ -82,6 +82,8 @@ class LlamaDecoderLayer(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.rms_eps = config.rms_eps
+        # How this layer attends where an architecture differs from Llama (None: Llama's way).
+        self.attention_spec: LayerAttention | None = None
         qkv_out = config.q_size + 2 * config.kv_size
         self.attn_norm = layer_weight(hidden, dtype=dtype, device=device)
         self.qkv_proj = layer_weight(qkv_out, hidden, dtype=dtype, device=device)  # rows: q | k | v
@@ -114,7 +116,8 @@ class LlamaDecoderLayer(nn.Module):
         heads_qk = self.num_heads + self.num_kv_heads
         qkv = self.qkv_heads(x, cos, sin)
         out = attn.forward(
-            layer_idx, qkv[:, : self.num_heads], qkv[:, self.num_heads : heads_qk], qkv[:, heads_qk:]
+            layer_idx, qkv[:, : self.num_heads], qkv[:, self.num_heads : heads_qk], qkv[:, heads_qk:],
+            self.attention_spec,
         )
         x = self.o.add_to(x, out.reshape(num_tokens, self.q_size))  # x + out @ o_proj.T: (T, hidden)
         return self.feed_forward(x)
