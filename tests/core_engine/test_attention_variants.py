@@ -1,6 +1,7 @@
 """Per-layer attention variants (:class:`~core_engine.attention.LayerAttention`): a sliding
-window, a softmax scale and logit soft-capping, in every attention context and decode kernel,
-against a plain fp32 reference written here."""
+window, a softmax scale and logit soft-capping, in every attention context and the C++ decode
+kernel, against a plain fp32 reference (``kernel_case.reference_attention``). The Triton
+kernel's side: ``kernels/test_triton_attention_variants.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ from core_engine.attention import DEFAULT, ContiguousAttention, LayerAttention
 from core_engine.kernels.cpu.paged_decode import paged_decode
 from core_engine.model.llamacpp_numerics import LlamaCppAttention
 from core_engine.paged_attention import KVCache, PagedAttention, build_attention_metadata
-from tests.core_engine.kernels.kernel_case import make_paged_kv, quantize_paged_kv
+from tests.core_engine.kernels.kernel_case import (
+    make_paged_kv,
+    quantize_paged_kv,
+    reference_attention,
+)
 
 CPU = torch.device("cpu")
 N_HEADS, N_KV, HEAD_DIM, BLOCK_SIZE = 4, 2, 16, 4
@@ -35,24 +40,6 @@ POOLS = {
 
 def _spec_id(spec: LayerAttention) -> str:
     return f"scale={spec.scale}-window={spec.window}-softcap={spec.softcap}"
-
-
-def reference_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, spec: LayerAttention) -> Tensor:
-    """q (T, n_heads, hd) at ``positions`` (T,) over keys, values (S, n_kv, hd) of positions
-    0..S-1: fp32 scores, scaled, soft-capped, masked (causal, window), softmaxed. (T, n_heads, hd)."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.float().repeat_interleave(group, dim=1)  # (S, H, hd)
-    v = values.float().repeat_interleave(group, dim=1)
-    scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
-    scores = torch.einsum("thd,shd->hts", q.float(), k) * scale  # (H, T, S)
-    if spec.softcap is not None:
-        scores = spec.softcap * torch.tanh(scores / spec.softcap)
-    distance = positions.view(-1, 1) - torch.arange(keys.shape[0]).view(1, -1)  # (T, S): p - j
-    visible = distance >= 0
-    if spec.window is not None:
-        visible &= distance < spec.window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
 
 
 def _randn(*shape: int, gen: torch.Generator) -> Tensor:
