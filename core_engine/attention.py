@@ -14,10 +14,16 @@ Contract (keep it stable; changes are announced here):
   llama.cpp's interleaved q/k rows, so dims ``i`` and ``i + head_dim/2`` form a rotation pair).
 - q, k and v may be non-contiguous views into one fused projection output: copy k/v into the
   cache (``index_copy_``/slice assignment work on views); do not ``.view`` them.
-- Softmax scale is ``head_dim ** -0.5``; GQA: query head ``h`` reads kv head
-  ``h // (n_heads // n_kv_heads)``.
+- ``spec`` (a :class:`LayerAttention`, or None for the defaults) says how this layer attends
+  where an architecture differs from Llama: Gemma's and Mistral's layers pass one, Llama's None.
+  None and ``LayerAttention()`` must give today's numerics (and None today's speed).
+- Softmax scale is ``spec.scale``, by default ``head_dim ** -0.5``; with ``spec.softcap`` the
+  scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask and the softmax
+  (Gemma 2). GQA: query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``.
 - Causal: a token at position ``p`` attends to the keys of positions ``0..p`` of its own
-  sequence (previous steps' keys come from the cache, this step's from ``k``).
+  sequence (previous steps' keys come from the cache, this step's from ``k``); with
+  ``spec.window`` only to those of ``p - window + 1 .. p`` (``p - j < window``: Hugging Face's
+  and llama.cpp's standard sliding window).
 - Return ``(T, n_heads, head_dim)`` in the compute dtype (contiguous or not; the model reshapes).
 - ``forward`` is called for ``layer_idx = 0 .. n_layers-1`` in order, once each, per model
   forward; a context may do per-step preparation (slot mapping, masks) before the model call
@@ -33,27 +39,83 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["AttentionContext", "ContiguousAttention", "LayerAttention"]
+__all__ = [
+    "DEFAULT",
+    "AttentionContext",
+    "ContiguousAttention",
+    "LayerAttention",
+    "causal_mask",
+    "softcapped_attention",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class LayerAttention:
     """How one layer attends, where an architecture differs from Llama's (the defaults)."""
 
-    scale: float | None = None
-    window: int | None = None
-    softcap: float | None = None
+    scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    window: int | None = None  # sliding window (keys p-window+1..p); None: the whole context
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax
+
+    def __post_init__(self) -> None:
+        if self.scale is not None and not self.scale > 0:
+            raise ValueError(f"scale must be > 0 or None, got {self.scale}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1 or None, got {self.window}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
+
+
+#: Llama's attention: scale ``head_dim ** -0.5``, the whole causal context, no soft-capping.
+DEFAULT = LayerAttention()
+
+
+def causal_mask(query_positions: Tensor, num_keys: int, window: int | None = None) -> Tensor:
+    """Which keys each query sees: ``(..., T)`` int positions -> ``(..., T, num_keys)`` bool.
+
+    Key ``j`` is visible to a query at position ``p`` when ``j <= p`` and, with a ``window``,
+    ``p - j < window``.
+    """
+    keys = torch.arange(num_keys, device=query_positions.device)
+    pos = query_positions.unsqueeze(-1)  # (..., T, 1)
+    mask = keys <= pos
+    if window is not None:
+        mask &= keys > pos - window
+    return mask
+
+
+def softcapped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float, softcap: float
+) -> Tensor:
+    """Attention with soft-capped scores, which ``scaled_dot_product_attention`` cannot do.
+
+    q: ``(B, n_heads, T, hd)``; k, v: ``(B, n_kv_heads, S, hd)`` (GQA: ``n_heads`` a multiple
+    of ``n_kv_heads``); mask: bool broadcastable to ``(B, n_heads, T, S)``, True where a query
+    sees a key, or None. Scores ``q.k * scale`` are capped to ``softcap * tanh(s / softcap)``,
+    masked and softmaxed in fp32. Returns ``(B, n_heads, T, hd)`` in q's dtype.
+    """
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, n_heads, T, S)
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
 
 
 @runtime_checkable
 class AttentionContext(Protocol):
     """Per-forward attention: the model calls it once per layer with this step's new q/k/v."""
 
-    def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: LayerAttention | None = None
+    ) -> Tensor:
         """Store ``k``/``v`` for ``layer_idx`` and return causal attention of ``q`` over the cache.
 
-        q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim), RoPE applied.
-        Returns (T, n_heads, head_dim).
+        q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim), RoPE applied. ``spec``:
+        this layer's scale, window and soft-cap (None: the defaults). Returns (T, n_heads,
+        head_dim).
         """
         ...
 
@@ -111,33 +173,26 @@ class ContiguousAttention:
         self._lengths[layer_idx] = end
         return cache_k[:end], cache_v[:end]  # (S, n_kv_heads, head_dim)
 
-    def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: LayerAttention | None = None) -> Tensor:
+    def forward(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: LayerAttention | None = None
+    ) -> Tensor:
         """See :class:`AttentionContext`; all T tokens belong to the one cached sequence."""
+        spec = spec or DEFAULT
         num_new = q.shape[0]
         keys, values = self._append(layer_idx, k, v)
         num_total = keys.shape[0]
-        if spec is not None and spec != LayerAttention():  # STUB: replaced by the attn-spec branch
-            pos = torch.arange(num_new).unsqueeze(1) + (num_total - num_new)
-            kpos = torch.arange(num_total).unsqueeze(0)
-            ok = kpos <= pos
-            if spec.window is not None:
-                ok &= pos - kpos < spec.window
-            g = q.shape[1] // k.shape[1]
-            kk = keys.float().repeat_interleave(g, 1).transpose(0, 1)
-            vv = values.float().repeat_interleave(g, 1).transpose(0, 1)
-            s = q.float().transpose(0, 1) @ kk.transpose(1, 2) * (spec.scale or q.shape[-1] ** -0.5)
-            if spec.softcap:
-                s = spec.softcap * torch.tanh(s / spec.softcap)
-            s = s.masked_fill(~ok, float("-inf")).softmax(-1)
-            return (s @ vv).transpose(0, 1).to(q.dtype)
         q_ = q.transpose(0, 1).unsqueeze(0)  # (1, n_heads, T, head_dim)
         k_ = keys.transpose(0, 1).unsqueeze(0)  # (1, n_kv_heads, S, head_dim)
         v_ = values.transpose(0, 1).unsqueeze(0)
-        if num_new == 1:
+        if num_new == 1 and spec.window is None:
             mask = None  # the single new token sees everything cached
         else:
             # Query i sits at position (S - T + i) and sees keys 0..S-T+i (bottom-right causal).
-            rows = torch.arange(num_new, device=q.device).unsqueeze(1) + (num_total - num_new)
-            mask = torch.arange(num_total, device=q.device).unsqueeze(0) <= rows  # (T, S)
-        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, enable_gqa=True)
+            positions = torch.arange(num_new, device=q.device) + (num_total - num_new)
+            mask = causal_mask(positions, num_total, spec.window)  # (T, S)
+        if spec.softcap is not None:
+            scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+            out = softcapped_attention(q_, k_, v_, mask, scale=scale, softcap=spec.softcap)
+        else:
+            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=spec.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)  # (T, n_heads, head_dim)

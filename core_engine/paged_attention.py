@@ -32,6 +32,15 @@ layer, 1-2 threads); ``INFERMUX_KERNELS=torch`` turns it off. A quantized pool i
 where it is read: after the gather on the torch path (decodes and prefill chunks with a cached
 prefix; a chunk without one attends over its fresh k/v), in the inner loops of the decode
 kernels.
+
+Layers with a :class:`~core_engine.attention.LayerAttention` spec (Gemma, Mistral) take the
+same paths with their scale, sliding window and soft-cap: the C++ decode kernel takes all
+three; the Triton one only a scale, so a windowed or soft-capped layer decodes on the torch
+path, whose gather (``decode_slots``/``decode_mask``, left out of a kernel's metadata) the
+context then builds from the block tables, once a step. Masks that depend on a window are
+built on a layer's first use and reused by every layer with that window in the step; scores
+are soft-capped by an explicit fp32 attention (:func:`~core_engine.attention.softcapped_attention`),
+as ``scaled_dot_product_attention`` cannot cap them.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from core_engine.attention import DEFAULT, LayerAttention, causal_mask, softcapped_attention
 from core_engine.kv_quant import (
     KVWritePlan,
     dequantize,
@@ -198,6 +208,24 @@ class AttentionMetadata:
     decode_real_rows: Tensor | None = None
     #: Tokens of all decodes (== ``num_decodes`` without multi-token decodes).
     num_decode_tokens: int = 0
+    #: Multi-token decodes only: ``(D, Q)`` int64 position of each padded query (padding at
+    #: its decode's last position), for the masks of sliding-window layers.
+    decode_query_positions: Tensor | None = None
+
+
+def _decode_context_slots(block_tables: Tensor, context_lens: Tensor, block_size: int) -> Tensor:
+    """(D * S,) slots of each decode's first ``S = max(context_lens)`` context tokens (the
+    torch path's gather; slots past a context's end are padding, masked out)."""
+    max_len = int(context_lens.max())
+    offsets = torch.arange(block_size, device=block_tables.device)
+    # (D, max_blocks * block_size) -> the first max_len slots of each context.
+    return (block_tables.long().unsqueeze(2) * block_size + offsets).flatten(1)[:, :max_len].reshape(-1)
+
+
+def _single_decode_mask(context_lens: Tensor, num_keys: int) -> Tensor:
+    """(D, 1, 1, num_keys) bool: each single-token decode sees its whole context."""
+    keys = torch.arange(num_keys, device=context_lens.device)
+    return (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(-1, 1, 1, num_keys)
 
 
 def build_attention_metadata(
@@ -244,7 +272,7 @@ def build_attention_metadata(
             spans.append(PrefillSpan(start, start + num_new, num_computed, ctx_slots[:end_pos], mask))
         start += num_new
     block_tables = context_lens = decode_slots = decode_mask = None
-    query_rows = real_rows = None
+    query_rows = real_rows = query_positions = None
     if decodes:
         max_blocks = max(len(d[1]) for d in decodes)
         block_tables = torch.tensor(
@@ -254,15 +282,12 @@ def build_attention_metadata(
             [d[0] + n for d, n in zip(decodes, lens, strict=True)], dtype=torch.int32, device=device
         )
         if not use_kernel and (decode_gather or max_q > 1):
-            max_len = int(context_lens.max())
-            # (D, max_blocks * block_size) -> the first max_len slots of each context.
-            decode_slots = (
-                (block_tables.long().unsqueeze(2) * block_size + offsets).flatten(1)[:, :max_len].reshape(-1)
-            )  # (D * max_len,)
-            keys = torch.arange(max_len, device=device)
+            decode_slots = _decode_context_slots(block_tables, context_lens, block_size)  # (D * max_len,)
+            max_len = decode_slots.shape[0] // len(decodes)
             if max_q == 1:
-                decode_mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, max_len)
+                decode_mask = _single_decode_mask(context_lens, max_len)
             else:
+                keys = torch.arange(max_len, device=device)
                 # Query i of decode d sits at position context_len - n_d + i.
                 q_lens = torch.tensor(lens, device=device)
                 first = context_lens.long() - q_lens  # (D,)
@@ -273,6 +298,7 @@ def build_attention_metadata(
                 valid = qi.unsqueeze(0) < q_lens.unsqueeze(1)  # (D, Q)
                 query_rows = torch.where(valid, row0.unsqueeze(1) + qi.unsqueeze(0), 0).view(-1)
                 real_rows = valid.view(-1).nonzero().squeeze(1)
+                query_positions = torch.minimum(q_pos, context_lens.long().unsqueeze(1) - 1)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decodes=len(decodes),
@@ -285,6 +311,7 @@ def build_attention_metadata(
         decode_query_rows=query_rows,
         decode_real_rows=real_rows,
         num_decode_tokens=num_decode_tokens,
+        decode_query_positions=query_positions,
     )
 
 
@@ -344,6 +371,14 @@ class PagedAttention:
         self.scale = kv_cache.head_dim**-0.5
         self.metadata: AttentionMetadata | None = None
         self._multi_mask: Tensor | None = None
+        # The torch decode path's gather of this step: the metadata's, or built from the block
+        # tables when a layer the kernel cannot run needs it (:meth:`_decode_gather`).
+        self._decode_slots: Tensor | None = None
+        self._decode_mask: Tensor | None = None
+        # Sliding-window masks of this step, built on first use: decodes' by window, (D, 1, 1,
+        # S) or (D, 1, Q * G, S); prefill chunks' by (chunk index, window), (chunk, S).
+        self._decode_window_masks: dict[int, Tensor] = {}
+        self._span_masks: dict[tuple[int, int | None], Tensor] = {}
         # Quantized caches, per step: the write plan, and the block of each slot read.
         self._write_plan: KVWritePlan | None = None
         self._decode_slot_blocks: Tensor | None = None
@@ -371,12 +406,11 @@ class PagedAttention:
     def prepare(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
         self._multi_mask = None
+        self._decode_slots, self._decode_mask = metadata.decode_slots, metadata.decode_mask
+        self._decode_window_masks = {}
+        self._span_masks = {}
         if metadata.decode_query_rows is not None and metadata.decode_mask is not None:
-            # (D, Q, S) -> (D, 1, Q * G, S): the G query heads of a kv head are G rows per query.
-            d, q, s = metadata.decode_mask.shape
-            self._multi_mask = (
-                metadata.decode_mask.unsqueeze(2).expand(d, q, self.group, s).reshape(d, 1, q * self.group, s)
-            )
+            self._multi_mask = self._per_query_head(metadata.decode_mask)
         if self.kv_cache.quant.is_quantized:
             bs = self.kv_cache.block_size
             self._write_plan = plan_kv_write(metadata.slot_mapping, bs)
@@ -386,8 +420,19 @@ class PagedAttention:
                 None if span.context_slots is None else span.context_slots // bs for span in metadata.prefills
             ]
 
-    def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q: (T, n_heads, hd); k, v: (T, n_kv_heads, hd). Returns (T, n_heads, hd)."""
+    def _per_query_head(self, mask: Tensor) -> Tensor:
+        """(D, Q, S) -> (D, 1, Q * G, S): the G query heads of a kv head are G rows per query."""
+        d, q, s = mask.shape
+        return mask.unsqueeze(2).expand(d, q, self.group, s).reshape(d, 1, q * self.group, s)
+
+    def forward(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: LayerAttention | None = None
+    ) -> Tensor:
+        """q: (T, n_heads, hd); k, v: (T, n_kv_heads, hd). Returns (T, n_heads, hd).
+
+        ``spec``: the layer's scale, sliding window and soft-cap (None: Llama's attention).
+        """
+        spec = spec or DEFAULT
         md = self.metadata
         assert md is not None, "PagedAttention.prepare() was not called"
         cache = self.kv_cache
@@ -402,14 +447,14 @@ class PagedAttention:
             cache.v_slots[layer_idx].index_copy_(0, md.slot_mapping, v.to(dtype))
         num_d = md.num_decode_tokens
         if not md.prefills:
-            return self._decode(layer_idx, q, md)
+            return self._decode(layer_idx, q, md, spec)
         out = torch.empty_like(q)
         if num_d:
-            out[:num_d] = self._decode(layer_idx, q[:num_d], md)
+            out[:num_d] = self._decode(layer_idx, q[:num_d], md, spec)
         for i, span in enumerate(md.prefills):
             out[span.token_start : span.token_end] = self._prefill(
                 layer_idx, i, q[span.token_start : span.token_end],
-                k[span.token_start : span.token_end], v[span.token_start : span.token_end], span,
+                k[span.token_start : span.token_end], v[span.token_start : span.token_end], span, spec,
             )
         return out
 
@@ -429,32 +474,67 @@ class PagedAttention:
             keys, values = keys.to(cache.dtype), values.to(cache.dtype)
         return keys, values
 
-    def _decode(self, layer_idx: int, q: Tensor, md: AttentionMetadata) -> Tensor:
+    def _decode_gather(self) -> tuple[Tensor, Tensor]:
+        """The torch decode path's ``(D * S,)`` context slots and ``(D, 1, 1, S)`` mask (or
+        ``(D, Q, S)``). Metadata built for a decode kernel leaves them out; a layer the kernel
+        cannot run (Triton, with a window or soft-cap) builds them here, once a step."""
+        if self._decode_slots is None or self._decode_mask is None:
+            md = self.metadata
+            assert md is not None and md.block_tables is not None and md.context_lens is not None
+            # Without the gather every decode has one token (build_attention_metadata).
+            self._decode_slots = _decode_context_slots(md.block_tables, md.context_lens, self.kv_cache.block_size)
+            self._decode_mask = _single_decode_mask(md.context_lens, self._decode_slots.shape[0] // md.num_decodes)
+            if self.kv_cache.quant.is_quantized:
+                self._decode_slot_blocks = self._decode_slots // self.kv_cache.block_size
+        return self._decode_slots, self._decode_mask
+
+    def _decode_window_mask(self, md: AttentionMetadata, window: int, num_keys: int) -> Tensor:
+        """The decodes' mask with a sliding window: (D, 1, 1, S), or (D, 1, Q * G, S) with
+        multi-token decodes; built once a step per window."""
+        mask = self._decode_window_masks.get(window)
+        if mask is None:
+            if md.decode_query_positions is not None:
+                mask = self._per_query_head(causal_mask(md.decode_query_positions, num_keys, window))
+            else:
+                assert md.context_lens is not None
+                positions = md.context_lens.long().unsqueeze(1) - 1  # (D, 1): the new token's
+                mask = causal_mask(positions, num_keys, window).unsqueeze(1)  # (D, 1, 1, S)
+            self._decode_window_masks[window] = mask
+        return mask
+
+    def _decode(self, layer_idx: int, q: Tensor, md: AttentionMetadata, spec: LayerAttention) -> Tensor:
         cache = self.kv_cache
+        scale = self.scale if spec.scale is None else spec.scale
+        # The Triton kernel takes a scale but no window or soft-cap: those layers run torch's.
+        triton_decode = self._decode_kernel if spec.window is None and spec.softcap is None else None
         # The C++ kernel takes one query per decode; a compiled forward traces the torch path.
         cpu_decode = (
             self._cpu_decode
             if md.decode_query_rows is None and not torch.compiler.is_compiling()
             else None
         )
-        if self._decode_kernel is not None or cpu_decode is not None:
+        if triton_decode is not None or cpu_decode is not None:
             k_cache, v_cache = cache.k_caches[layer_idx], cache.v_caches[layer_idx]
             k_scale = v_scale = None
             if cache.scales is not None:
                 k_cache, v_cache = k_cache.view(cache.quant.code_dtype), v_cache.view(cache.quant.code_dtype)
                 k_scale, v_scale = cache.scales[layer_idx, 0], cache.scales[layer_idx, 1]
-            if self._decode_kernel is not None:
-                return self._decode_kernel(
-                    q.contiguous(), k_cache, v_cache, md.block_tables, md.context_lens, self.scale,
+            if triton_decode is not None:
+                return triton_decode(
+                    q.contiguous(), k_cache, v_cache, md.block_tables, md.context_lens, scale,
                     k_scale=k_scale, v_scale=v_scale,
                 )
             assert cpu_decode is not None  # q's rows may be strided: the kernel reads them in place
-            return cpu_decode(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale, k_scale, v_scale)
-        assert md.decode_slots is not None and md.decode_mask is not None
+            return cpu_decode(
+                q, k_cache, v_cache, md.block_tables, md.context_lens, scale, k_scale, v_scale,
+                window=spec.window or 0, softcap=spec.softcap or 0.0,
+            )
+        decode_slots, decode_mask = self._decode_gather()
         num_d = md.num_decodes
+        num_keys = decode_mask.shape[-1]
         # Each context's keys: (D*S, n_kv, hd) -> (D, n_kv, S, hd).
-        shape = (num_d, md.decode_mask.shape[-1], self.num_kv_heads, self.head_dim)
-        keys, values = self._read(layer_idx, md.decode_slots, self._decode_slot_blocks)
+        shape = (num_d, num_keys, self.num_kv_heads, self.head_dim)
+        keys, values = self._read(layer_idx, decode_slots, self._decode_slot_blocks)
         keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
         if md.decode_query_rows is not None:
             assert md.decode_real_rows is not None and self._multi_mask is not None
@@ -462,16 +542,30 @@ class PagedAttention:
             # Padded queries (D, Q, n_kv, G, hd) -> (D, n_kv, Q * G, hd): one masked call.
             q_ = q.index_select(0, md.decode_query_rows).view(num_d, nq, nkv, g, hd)
             q_ = q_.permute(0, 2, 1, 3, 4).reshape(num_d, nkv, nq * g, hd)
-            out = F.scaled_dot_product_attention(q_, keys, values, attn_mask=self._multi_mask, scale=self.scale)
+            mask = self._multi_mask if spec.window is None else self._decode_window_mask(md, spec.window, num_keys)
+            out = _attend(q_, keys, values, mask, scale, spec.softcap)
             out = out.view(num_d, nkv, nq, g, hd).permute(0, 2, 1, 3, 4).reshape(num_d * nq, self.num_heads, hd)
             return out.index_select(0, md.decode_real_rows)
         # The G query heads sharing a kv head act as G query rows: (D, n_kv, G, hd).
         q_ = q.reshape(num_d, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(q_, keys, values, attn_mask=md.decode_mask, scale=self.scale)
+        mask = decode_mask if spec.window is None else self._decode_window_mask(md, spec.window, num_keys)
+        out = _attend(q_, keys, values, mask, scale, spec.softcap)
         return out.reshape(num_d, self.num_heads, self.head_dim)
 
+    def _span_mask(self, span_idx: int, span: PrefillSpan, window: int | None) -> Tensor:
+        """(chunk, S) bool mask of prefill chunk ``span_idx`` over its prefix and itself, with
+        an optional sliding window; built once a step per (chunk, window)."""
+        mask = self._span_masks.get((span_idx, window))
+        if mask is None:
+            num_new = span.token_end - span.token_start
+            positions = torch.arange(num_new, device=self.kv_cache.storage.device) + span.num_computed_tokens
+            mask = causal_mask(positions, span.num_computed_tokens + num_new, window)
+            self._span_masks[(span_idx, window)] = mask
+        return mask
+
     def _prefill(
-        self, layer_idx: int, span_idx: int, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan
+        self, layer_idx: int, span_idx: int, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan,
+        spec: LayerAttention,
     ) -> Tensor:
         # 4-D inputs: torch's CPU flash-attention kernel only takes batched tensors (3-D ones
         # fall back to the math path, 3-4x slower on a 512-token prefill).
@@ -484,8 +578,23 @@ class PagedAttention:
             keys, values = self._read(layer_idx, span.context_slots, slot_blocks)
             keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # (n_kv, S, hd)
             mask, causal = span.mask, False
-        out = F.scaled_dot_product_attention(
-            q_, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
-            scale=self.scale, enable_gqa=True,
-        )  # (1, n_heads, Tq, hd)
+        if spec.window is not None or (spec.softcap is not None and mask is None):
+            # A window needs its own mask; the soft-capped attention takes a mask, not is_causal.
+            mask, causal = self._span_mask(span_idx, span, spec.window), False
+        scale = self.scale if spec.scale is None else spec.scale
+        k_, v_ = keys.unsqueeze(0), values.unsqueeze(0)  # (1, n_kv, S, hd)
+        if spec.softcap is not None:
+            out = softcapped_attention(q_, k_, v_, mask, scale=scale, softcap=spec.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q_, k_, v_, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+            )  # (1, n_heads, Tq, hd)
         return out[0].transpose(0, 1)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """The decodes' attention call: q (D, n_kv, R, hd) over k, v (D, n_kv, S, hd) with a bool
+    mask broadcastable to (D, n_kv, R, S); soft-capped scores take the explicit path."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return softcapped_attention(q, k, v, mask, scale=scale, softcap=softcap)

@@ -104,6 +104,9 @@ class LlamaDecoderLayer(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.rms_eps = config.rms_eps
+        # How this layer attends where an architecture differs from Llama (None: Llama's way;
+        # set by :class:`LlamaModel` from the config, :func:`layer_attention`).
+        self.attention_spec: LayerAttention | None = None
         qkv_out = config.q_size + 2 * config.kv_size
         self.attn_norm = layer_weight(hidden, dtype=dtype, device=device)
         self.qkv_proj = layer_weight(qkv_out, hidden, dtype=dtype, device=device)  # rows: q | k | v
@@ -117,8 +120,6 @@ class LlamaDecoderLayer(nn.Module):
         self.o: Linear = DenseLinear(self.o_proj)
         self.gate_up: Linear = DenseLinear(self.gate_up_proj)
         self.down: Linear = DenseLinear(self.down_proj)
-        #: How this layer attends where it differs from Llama's (set by :class:`LlamaModel`).
-        self.attention_spec: LayerAttention | None = None
 
     def dense_weights(self) -> dict[str, tuple[Tensor, Tensor | None]]:
         """Product name -> (weight, bias) as loaded (None after packing)."""

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from torch import Tensor, nn
 
-from core_engine.attention import AttentionContext, ContiguousAttention
+from core_engine.attention import DEFAULT, AttentionContext, ContiguousAttention, LayerAttention
 from core_engine.model import ggml_ops as G
 from core_engine.model.config import LlamaConfig
 from core_engine.model.llama import LlamaDecoderLayer, LlamaModel
@@ -257,8 +257,17 @@ class LlamaCppAttention(ContiguousAttention):
     F16 by :class:`LlamaCppModel`.
     """
 
-    def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """See :class:`~core_engine.attention.AttentionContext`; one cached sequence."""
+    def forward(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: LayerAttention | None = None
+    ) -> Tensor:
+        """See :class:`~core_engine.attention.AttentionContext`; one cached sequence.
+
+        Only Llama's attention (``spec`` None or the default): this emulates ggml's arithmetic
+        for the ``llama`` arch, whose layers pass no spec.
+        """
+        if spec is not None and spec != DEFAULT:
+            unsupported = [name for name in ("scale", "window", "softcap") if getattr(spec, name) is not None]
+            raise NotImplementedError(f"LlamaCppAttention emulates Llama's attention only, not {', '.join(unsupported)}")
         num_new, num_heads, head_dim = q.shape
         keys, values = self._append(layer_idx, k, v)  # (S, n_kv_heads, head_dim)
         num_total, num_kv_heads = keys.shape[0], keys.shape[1]

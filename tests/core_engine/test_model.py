@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from core_engine.attention import AttentionContext, ContiguousAttention
+from core_engine.attention import AttentionContext, ContiguousAttention, LayerAttention
 from core_engine.gguf_loader import load_model
 from core_engine.model import LlamaConfig, LlamaModel
 from core_engine.tokenizer import Tokenizer
@@ -88,13 +88,15 @@ class RecordingAttention:
         self.inner = ContiguousAttention(config.num_layers)
         self.layers: list[int] = []
 
-    def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: LayerAttention | None = None
+    ) -> Tensor:
         cfg = self.config
         num_tokens = q.shape[0]
         assert q.shape == (num_tokens, cfg.num_heads, cfg.head_dim)
         assert k.shape == v.shape == (num_tokens, cfg.num_kv_heads, cfg.head_dim)
         self.layers.append(layer_idx)
-        return self.inner.forward(layer_idx, q, k, v)
+        return self.inner.forward(layer_idx, q, k, v, spec)
 
 
 def test_model_calls_the_attention_context_once_per_layer(tiny: tuple[LlamaModel, LlamaConfig, Tokenizer]) -> None:

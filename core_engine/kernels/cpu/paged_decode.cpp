@@ -6,12 +6,17 @@
 //   k_cache, v_cache (num_blocks, block_size, n_kv, hd) fp32/bf16, or int8 codes with
 //   k_scale, v_scale (num_blocks, n_kv) fp32 (value = code * scale).
 //   block_tables (S, max_blocks) int32; context_lens (S,) int32, each in 1..max_blocks * block_size.
+//   window (0: none): the query at position len - 1 sees only keys len - window .. len - 1;
+//   softcap (0: none): scaled scores s become softcap * tanh(s / softcap) before the softmax.
 //
 // One task per sequence (or per range of its kv heads when there are fewer sequences than
 // threads); the G = n_heads / n_kv query heads of a kv head are scored together, so each K/V
 // row is read (and converted to fp32) once for all G. Softmax is online over blocks (running
 // max and sum per query head, the accumulator rescaled when the max grows), all in fp32. An int8 block's scales fold into the scores (k) and the
 // probabilities (v), so codes are only converted, never multiplied element by element.
+// A window starts the read at key max(0, len - window): whole blocks before it are skipped and
+// the first block read is entered at that key's offset, so no score is computed to be masked.
+// Soft-capping runs scalar tanhf over a block's scores; without it the loops are unchanged.
 // With AVX2 + FMA (also on AVX-512 CPUs; -march=native) and head_dim a multiple of 8 the dot
 // products, the exps and the weighted V sums run on 8-float vectors, else on scalar loops.
 #include <torch/extension.h>
@@ -221,7 +226,22 @@ struct Problem {
   const float* k_scale;        // (num_blocks, n_kv) contiguous, or null
   const float* v_scale;
   float scale;
+  int64_t window;              // 0: none
+  float softcap;               // 0: none
 };
+
+// The first key a sequence of len tokens reads (its window's start).
+inline int64_t first_key(const Problem& pb, int64_t len) {
+  return pb.window > 0 ? std::max<int64_t>(0, len - pb.window) : 0;
+}
+
+// p[g * P + t] = cap * tanh(p[g * P + t] / cap) for g < G, t < n.
+void softcap_scores(float* p, int64_t P, int64_t G, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t t = 0; t < n; ++t) p[g * P + t] = cap * std::tanh(p[g * P + t] * inv);
+  }
+}
 
 template <typename CT, typename QT, bool kVec>
 void run(const Problem& pb, const CT* k_cache, const CT* v_cache, const QT* q, QT* out) {
@@ -234,7 +254,7 @@ void run(const Problem& pb, const CT* k_cache, const CT* v_cache, const QT* q, Q
   const int64_t tasks_per_seq = (pb.n_kv + heads_per_task - 1) / heads_per_task;
   const int64_t num_tasks = pb.num_seqs * tasks_per_seq;
   int64_t rows = 0;
-  for (int64_t s = 0; s < pb.num_seqs; ++s) rows += pb.lens[s];
+  for (int64_t s = 0; s < pb.num_seqs; ++s) rows += pb.lens[s] - first_key(pb, pb.lens[s]);
   rows *= pb.n_kv;
   // Chunks of at least kMinRowsPerChunk rows on average (a small step stays on this thread).
   const int64_t grain = std::max<int64_t>(1, (kMinRowsPerChunk * num_tasks + rows - 1) / std::max<int64_t>(rows, 1));
@@ -259,9 +279,11 @@ void run(const Problem& pb, const CT* k_cache, const CT* v_cache, const QT* q, Q
       }
       std::fill(acc, acc + R * D, 0.0f);
       const int64_t num_blocks = (len + BS - 1) / BS;
-      for (int64_t bi = 0; bi < num_blocks; ++bi) {
+      const int64_t first = first_key(pb, len);
+      for (int64_t bi = first / BS; bi < num_blocks; ++bi) {
         const int64_t block = table[bi];
-        const int64_t n = std::min(BS, len - bi * BS);
+        const int64_t t0 = bi == first / BS ? first % BS : 0;  // the block's first key read
+        const int64_t n = std::min(BS, len - bi * BS) - t0;
         if (bi + 1 < num_blocks) {
           const int64_t next_n = std::min(BS, len - (bi + 1) * BS);
           for (int64_t h = h0; h < h1; ++h) {
@@ -271,8 +293,8 @@ void run(const Problem& pb, const CT* k_cache, const CT* v_cache, const QT* q, Q
           }
         }
         for (int64_t h = h0; h < h1; ++h) {
-          const CT* k = k_cache + block * pb.c_b + h * pb.c_h;
-          const CT* v = v_cache + block * pb.c_b + h * pb.c_h;
+          const CT* k = k_cache + block * pb.c_b + t0 * pb.c_t + h * pb.c_h;
+          const CT* v = v_cache + block * pb.c_b + t0 * pb.c_t + h * pb.c_h;
           const float k_mul = pb.k_scale ? pb.scale * pb.k_scale[block * pb.n_kv + h] : pb.scale;
           const float v_mul = pb.v_scale ? pb.v_scale[block * pb.n_kv + h] : 1.0f;
           const int64_t r0 = (h - h0) * G;  // this head's first query row in the task
@@ -283,6 +305,7 @@ void run(const Problem& pb, const CT* k_cache, const CT* v_cache, const QT* q, Q
           } else
 #endif
             block_scores_scalar(qf + r0 * D, G, D, k, pb.c_t, n, k_mul, p, P);
+          if (pb.softcap > 0.0f) softcap_scores(p, P, G, n, pb.softcap);
           for (int64_t g = 0; g < G; ++g) {
             float* pg = p + g * P;
             float& mg = m[r0 + g];
@@ -354,7 +377,8 @@ void dispatch_cache(const Problem& pb, const at::Tensor& k, const at::Tensor& v,
 
 at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                        const c10::optional<at::Tensor>& k_scale_in, const c10::optional<at::Tensor>& v_scale_in) {
+                        const c10::optional<at::Tensor>& k_scale_in, const c10::optional<at::Tensor>& v_scale_in,
+                        int64_t window, double softcap) {
   TORCH_CHECK_VALUE(q_in.dim() == 3, "paged_decode: q must be (num_seqs, n_heads, head_dim)");
   TORCH_CHECK_VALUE(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
                     "paged_decode: q must be float32 or bfloat16, got ", q_in.scalar_type());
@@ -372,6 +396,8 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
                     "paged_decode: block_tables must be (", S, ", max_blocks) int32, rows contiguous");
   TORCH_CHECK_VALUE(context_lens.dim() == 1 && context_lens.size(0) == S && context_lens.scalar_type() == at::kInt,
                     "paged_decode: context_lens must be (", S, ",) int32");
+  TORCH_CHECK_VALUE(window >= 0, "paged_decode: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK_VALUE(softcap >= 0.0, "paged_decode: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK_VALUE(k_scale_in.has_value() == v_scale_in.has_value(), "paged_decode: pass k_scale and v_scale together");
   const bool is_code = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK_VALUE(is_code == k_scale_in.has_value(), "paged_decode: int8 caches need k_scale/v_scale, others none");
@@ -396,7 +422,8 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
     const int64_t len = lp[s];
     TORCH_CHECK_VALUE(len >= 1 && len <= max_blocks * BS, "paged_decode: context_lens[", s, "] = ", len,
                       " outside 1..", max_blocks * BS);
-    for (int64_t bi = 0; bi < (len + BS - 1) / BS; ++bi) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    for (int64_t bi = first / BS; bi < (len + BS - 1) / BS; ++bi) {
       const int32_t block = tp[s * block_tables.stride(0) + bi];
       TORCH_CHECK_VALUE(block >= 0 && block < NB, "paged_decode: block_tables[", s, ", ", bi, "] = ", block,
                         " outside 0..", NB - 1);
@@ -407,7 +434,7 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
              block_tables.stride(0), tp, lp,
              is_code ? k_scale.data_ptr<float>() : nullptr, is_code ? v_scale.data_ptr<float>() : nullptr,
-             static_cast<float>(scale)};
+             static_cast<float>(scale), window, static_cast<float>(softcap)};
   at::Tensor out = at::empty({S, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.scalar_type() == at::kFloat) {
     dispatch_cache<float>(pb, k_cache, v_cache, q.data_ptr<float>(), out.data_ptr<float>());
@@ -422,5 +449,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (see the file's header)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("k_scale") = pybind11::none(),
-        pybind11::arg("v_scale") = pybind11::none());
+        pybind11::arg("v_scale") = pybind11::none(), pybind11::arg("window") = 0,
+        pybind11::arg("softcap") = 0.0);
 }

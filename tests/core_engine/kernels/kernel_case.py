@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from core_engine.attention import LayerAttention
+
 # Per dtype (atol, rtol) for kernel vs reference. bf16 allows ~2 ulp: the Triton interpreter
 # rounds fp32 -> bf16 by truncation where a GPU (and torch) round to nearest.
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
@@ -148,3 +150,21 @@ def quantize_paged_kv(paged: PagedKV, code_dtype: torch.dtype) -> QuantizedPaged
         keys=[k.to(device) for k in keys],
         values=[v.to(device) for v in values],
     )
+
+
+def reference_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, spec: LayerAttention) -> Tensor:
+    """q (T, n_heads, hd) at ``positions`` (T,) over keys, values (S, n_kv, hd) of positions
+    0..S-1: fp32 scores, scaled, soft-capped, masked (causal, window), softmaxed. (T, n_heads, hd)."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1)  # (S, H, hd)
+    v = values.float().repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+    scores = torch.einsum("thd,shd->hts", q.float(), k) * scale  # (H, T, S)
+    if spec.softcap is not None:
+        scores = spec.softcap * torch.tanh(scores / spec.softcap)
+    distance = positions.view(-1, 1) - torch.arange(keys.shape[0]).view(1, -1)  # (T, S): p - j
+    visible = distance >= 0
+    if spec.window is not None:
+        visible &= distance < spec.window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
