@@ -69,61 +69,47 @@ def tiny_hf_model(arch: str, *, seed: int = 0, **config_overrides: Any) -> Any:
         vocab_size=vocab_size(arch), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-    ) | config_overrides
-    if arch == "llama":
-        config = transformers.LlamaConfig(**common, rope_theta=10000.0, attention_bias=False)
-        cls = transformers.LlamaForCausalLM
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(**common, rope_theta=1_000_000.0, use_sliding_window=False)
-        cls = transformers.Qwen2ForCausalLM
-    elif arch == "qwen3":
+    )
+    gemma = {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
+             "sliding_window": WINDOW, "hidden_activation": "gelu_pytorch_tanh"}
+    # Per architecture: its config class, its model class and what it sets beyond ``common``.
+    own: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0, attention_bias=False)),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                  dict(rope_theta=1_000_000.0, use_sliding_window=False)),
         # head_dim 32 with hidden 64 and 4 heads: q is wider than the hidden size, as in Qwen3.
-        config = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1_000_000.0, attention_bias=False)
-        cls = transformers.Qwen3ForCausalLM
-    elif arch == "qwen3moe":
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                  dict(head_dim=32, rope_theta=1_000_000.0, attention_bias=False)),
         # 4 experts of 32, 2 per token: the router's choice varies across tokens and positions.
-        config = transformers.Qwen3MoeConfig(
-            **common, head_dim=16, rope_theta=1_000_000.0, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        )
-        cls = transformers.Qwen3MoeForCausalLM
-    elif arch == "mixtral":
-        config = transformers.MixtralConfig(
-            **{**common, "intermediate_size": 32}, rope_theta=10000.0, num_local_experts=4, num_experts_per_tok=2,
-            sliding_window=None,
-        )
-        cls = transformers.MixtralForCausalLM
-    elif arch == "mistral":
-        config = transformers.MistralConfig(**common, rope_theta=10000.0, sliding_window=WINDOW)
-        cls = transformers.MistralForCausalLM
-    elif arch in ("gemma2", "gemma3"):
+        "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+            head_dim=16, rope_theta=1_000_000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        )),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+            intermediate_size=32, rope_theta=10000.0, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+        )),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                    dict(rope_theta=10000.0, sliding_window=WINDOW)),
         # Small soft-caps so that they bend these scores and logits (Gemma 2's real ones are
         # 50 and 30); query_pre_attn_scalar = head_dim, as llama.cpp assumes below 27B.
-        gemma = {**common, "tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 16,
-                 "sliding_window": WINDOW, "hidden_activation": "gelu_pytorch_tanh"}
-        if arch == "gemma2":
-            config = transformers.Gemma2Config(
-                **gemma, rope_theta=10000.0, attn_logit_softcapping=4.0, final_logit_softcapping=8.0
-            )
-            cls = transformers.Gemma2ForCausalLM
-        else:
-            # Six layers: five local ones and a global one, each with its own RoPE (the
-            # global one linearly scaled).
-            config = transformers.Gemma3TextConfig(
-                **{**gemma, "num_hidden_layers": 6},
-                rope_parameters={
-                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                },
-            )
-            cls = transformers.Gemma3ForCausalLM
-    elif arch == "phi3":
-        config = transformers.Phi3Config(
-            **common, rope_theta=10000.0, sliding_window=None, pad_token_id=0, bos_token_id=0, eos_token_id=2
-        )
-        cls = transformers.Phi3ForCausalLM
-    else:
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+                   gemma | dict(rope_theta=10000.0, attn_logit_softcapping=4.0, final_logit_softcapping=8.0)),
+        # Six layers: five local ones and a global one, each with its own RoPE (the global one
+        # linearly scaled).
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, gemma | dict(
+            num_hidden_layers=6,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
+                 dict(rope_theta=10000.0, sliding_window=None, pad_token_id=0, bos_token_id=0, eos_token_id=2)),
+    }
+    if arch not in own:
         raise ValueError(f"no tiny {arch!r} model")
+    config_class, cls, fields = own[arch]
+    config = config_class(**(common | fields | config_overrides))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(config).eval()
@@ -306,3 +292,22 @@ def save_checkpoint(model: Any, directory: str | Path) -> Path:
     }))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 0}))
     return directory
+
+
+def train_tiny(model: Any, ids: list[int], *, steps: int = 150, seq_len: int = 128, seed: int = 0) -> Any:
+    """``model`` trained (AdamW, in place) to predict ``ids``: a model that has learnt its text
+    predicts it with clear margins, so quantisation and arithmetic differences between two
+    engines rarely flip its top token, as with a real model (a random one's near-ties do).
+    Returns the model in eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.tensor(ids)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - seq_len, (4,), generator=gen)
+        batch = torch.stack([data[s : s + seq_len] for s in starts.tolist()])
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
