@@ -34,8 +34,8 @@ FILE_TYPES = {
     "Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
 }
 
-#: Rows of 256 in every matrix (hidden 256, 4 heads of 64, FFN and experts of 256 or 512).
-_SIZES = {"hidden_size": 256, "intermediate_size": 512}
+#: Rows of 256 in every matrix (hidden 256, 4 heads of 64, FFN and experts of 256).
+_SIZES = {"hidden_size": 256, "intermediate_size": 256}
 _OWN_SIZES = {
     "qwen3": {"head_dim": 64}, "qwen3moe": {"head_dim": 64, "moe_intermediate_size": 256},
     "mixtral": {"intermediate_size": 256}, "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64},
@@ -52,7 +52,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     # The text in the tiny vocabulary (the same tokenizer the GGUF will carry).
     ids = GGUFFile(write_gguf(model, directory / "vocab.gguf")).tokenizer().encode(TEXT)
     assert len(ids) > POSITIONS + 128
-    train_tiny(model, ids, steps=300)
+    train_tiny(model, ids, steps=300, seq_len=128)
     yield arch, write_gguf(model, directory / "f32.gguf"), ids[:POSITIONS]
 
 
