@@ -325,15 +325,8 @@ class GGUFBlockSource:
             if heads is not None:
                 blocks = tuple(None if t is None else _unpermute_rope_rows(t, heads) for t in blocks)  # type: ignore[assignment]
             parts.append(blocks)
-        if len(parts) == 1:
-            return parts[0]
-        if experts > 1:  # gate | up of each expert, expert after expert
-            return tuple(  # type: ignore[return-value]
-                None if any(p[i] is None for p in parts)
-                else torch.cat([p[i].view(experts, -1, *p[i].shape[1:]) for p in parts], dim=1).flatten(0, 1)
-                for i in range(3)
-            )
-        return concat_rows(parts)
+        # Experts: gate | up of each expert, expert after expert.
+        return parts[0] if len(parts) == 1 else concat_rows(parts, groups=experts)
 
 
 def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:

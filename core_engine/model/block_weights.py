@@ -127,11 +127,17 @@ def permute_rows(weight: BlockWeight, order: Tensor) -> BlockWeight:
     return qweight[order].contiguous(), scales[order].contiguous(), None if mins is None else mins[order].contiguous()
 
 
-def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
-    """Row-wise concatenation (fused q|k|v or gate|up) of weights of one format."""
+def concat_rows(parts: list[BlockWeight], *, groups: int = 1) -> BlockWeight:
+    """Row-wise concatenation (fused q|k|v or gate|up) of weights of one format. With
+    ``groups`` (a mixture's experts, each part's rows expert-major) it is per group: group
+    ``g``'s rows of every part, then group ``g + 1``'s."""
+
+    def cat(tensors: list[Tensor]) -> Tensor:
+        return torch.cat([t.reshape(groups, -1, *t.shape[1:]) for t in tensors], dim=1).flatten(0, 1)
+
     mins = [p[2] for p in parts]
     return (
-        torch.cat([p[0] for p in parts]),
-        torch.cat([p[1] for p in parts]),
-        None if any(m is None for m in mins) else torch.cat(mins),  # type: ignore[arg-type]
+        cat([p[0] for p in parts]),
+        cat([p[1] for p in parts]),
+        None if any(m is None for m in mins) else cat(mins),  # type: ignore[arg-type]
     )

@@ -196,7 +196,8 @@ class LlamaModel(nn.Module):
         if config.local_rope_theta is not None:
             local = msgspec.structs.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
             self.local_rotary = RotaryEmbedding(local, dtype=dtype, device=device)
-        self._local_layers = frozenset(config.local_layers)
+        #: The layers that rotate with :attr:`local_rotary` (none without one).
+        self._local_rope_layers = frozenset(config.local_layers) if self.local_rotary is not None else frozenset()
         self.head: Linear = DenseLinear(self.lm_head)
         #: Storage of the matmul weights: "dense" (the parameters above), or the packed format
         #: of :meth:`set_weight_format`; ``layer_formats`` the products stored otherwise.
@@ -355,11 +356,9 @@ class LlamaModel(nn.Module):
         if cfg.embedding_scale is not None:
             x = x * cfg.embedding_scale
         cos, sin = self.rotary.lookup(positions)  # (T, 1, head_dim/2) each
-        local = cos, sin
-        if self.local_rotary is not None:
-            local = self.local_rotary.lookup(positions)
+        local = None if self.local_rotary is None else self.local_rotary.lookup(positions)
         for layer_idx, layer in enumerate(self.layers):
-            if layer_idx in self._local_layers:
+            if local is not None and layer_idx in self._local_rope_layers:
                 x = layer(x, *local, attn, layer_idx)
             else:
                 x = layer(x, cos, sin, attn, layer_idx)

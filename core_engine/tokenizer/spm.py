@@ -12,7 +12,7 @@ that starts the input or follows a special token gets a leading space
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from core_engine.tokenizer.bpe import Tokenizer, TokenizerError, TokenType, metadata_token_id
@@ -71,8 +71,12 @@ class SentencePieceTokenizer(Tokenizer):
         except RuntimeError as exc:
             raise TokenizerError(f"SentencePiece vocabulary rejected: {exc}") from exc
 
-    @classmethod
-    def from_spm_metadata(cls, metadata: Mapping[str, Any]) -> SentencePieceTokenizer:
+    @staticmethod
+    def scored_vocabulary(
+        metadata: Mapping[str, Any],
+    ) -> tuple[list[str], list[float], Callable[[str, int | None], int | None]]:
+        """The GGUF's pieces and scores, and a reader of its ``tokenizer.ggml.*_token_id`` keys
+        (``token_id(key, default)``, llama.cpp's default for a missing or out-of-range id)."""
         tokens = metadata.get("tokenizer.ggml.tokens")
         scores = metadata.get("tokenizer.ggml.scores")
         if not tokens or scores is None:
@@ -81,6 +85,11 @@ class SentencePieceTokenizer(Tokenizer):
         def token_id(key: str, default: int | None) -> int | None:
             return metadata_token_id(metadata, key, len(tokens), default)
 
+        return tokens, scores, token_id
+
+    @classmethod
+    def from_spm_metadata(cls, metadata: Mapping[str, Any]) -> SentencePieceTokenizer:
+        tokens, scores, token_id = cls.scored_vocabulary(metadata)
         add_bos = metadata.get("tokenizer.ggml.add_bos_token")
         return cls(
             tokens,

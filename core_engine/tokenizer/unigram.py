@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from core_engine.tokenizer.bpe import TokenizerError, TokenType, metadata_token_id
+from core_engine.tokenizer.bpe import TokenizerError, TokenType
 from core_engine.tokenizer.spm import SentencePieceTokenizer
 
 __all__ = ["UnigramTokenizer"]
@@ -65,14 +65,7 @@ class UnigramTokenizer(SentencePieceTokenizer):
     @classmethod
     def from_ugm_metadata(cls, metadata: Mapping[str, Any]) -> UnigramTokenizer:
         """Build from GGUF key/values; defaults are llama.cpp's for ``"t5"`` vocabularies."""
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        scores = metadata.get("tokenizer.ggml.scores")
-        if not tokens or scores is None:
-            raise TokenizerError("GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.scores")
-
-        def token_id(key: str, default: int | None) -> int | None:
-            return metadata_token_id(metadata, key, len(tokens), default)
-
+        tokens, scores, token_id = cls.scored_vocabulary(metadata)
         add_bos = metadata.get("tokenizer.ggml.add_bos_token")
         add_eos = metadata.get("tokenizer.ggml.add_eos_token")
         unknown = token_id("unknown_token_id", 2)
