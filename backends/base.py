@@ -226,7 +226,8 @@ class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     circuit_cooldown_s: float = 10.0
     max_concurrency: int | None = None
     #: Run the backend in a supervised worker process (:mod:`backends.worker`); None: the
-    #: kind's default (on for ``llamacpp`` and ``mlx``, off for the others).
+    #: kind's default (on for ``llamacpp``, ``mlx`` and ``core_engine``, whose option
+    #: ``engine_process`` says the same; off for the others).
     worker_process: bool | None = None
     #: When it cannot start as configured (``BackendConfigError``: a missing model file,
     #: options this machine cannot run), ``infermux serve`` logs it and goes on without it

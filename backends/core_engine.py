@@ -1,4 +1,10 @@
-"""The ``core_engine`` backend: infermux's own PyTorch engine, in-process.
+"""The ``core_engine`` backend: infermux's own PyTorch engine.
+
+By default the gateway runs this backend in a supervised worker process (option
+``engine_process``, default true; :mod:`backends.worker`): the engine's Python work then
+does not share the gateway's GIL, and a crash there fails and restarts only this backend.
+The class below is the in-process code either way (``engine_process = false`` runs it in the
+gateway's process, for tests and notebooks).
 
 Many requests share one :class:`~core_engine.async_llm.AsyncLLM` (continuous batching, paged KV
 cache, prefix caching). This module only translates: a :class:`GenerationRequest` becomes token
@@ -109,6 +115,9 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     kv_disk_bytes: int | None = None
     #: Most of each tier one tenant's cached prefixes may hold (0..1; absent: no quota).
     kv_tenant_quota: float | None = None
+    #: Run the engine in its own supervised worker process (default); false: in the
+    #: gateway's process (tests, notebooks; plugins registered by code then answer its hooks).
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         # A combination no CPU runs is refused when the config is read (torch is not needed).
@@ -128,6 +137,14 @@ class CoreEngineBackend:
         self.name = config.name
         self.config = config
         self.options = decode_options(config, CoreEngineOptions)
+        if config.worker_process is not None and "engine_process" in config.options:
+            if config.worker_process != self.options.engine_process:
+                raise ValueError(
+                    f"backends.{config.name}.options.engine_process: contradicts worker_process = "
+                    f"{str(config.worker_process).lower()} (set one of them)"
+                )
+        #: Where the gateway runs this backend unless ``worker_process`` says otherwise.
+        self.worker_process_default = self.options.engine_process
         if self.options.kv_cache_memory_mb < 1:
             raise ValueError(f"backends.{config.name}.options.kv_cache_memory_mb: must be at least 1")
         self._check_tier_options()
@@ -138,6 +155,8 @@ class CoreEngineBackend:
         self._model_path: Path | None = None
         self._pieces: dict[int, bytes] = {}
         self._counter = 0
+        #: Tokens streamed so far, all requests (a worker process reports it to the gateway).
+        self.num_generated_tokens = 0
         self._policies: Any = None  # EnginePolicies, from use_policies()
         self._spec_config: Any = self._speculation_config()
 
@@ -327,6 +346,7 @@ class CoreEngineBackend:
                 figures["spec_decode_ngram_seconds"] = speculator.ngram.seconds
         kv = engine.kv_cache_manager
         figures["kv_cache_num_blocks"] = float(kv.num_blocks)
+        figures["kv_cache_num_free_blocks"] = float(kv.num_free_blocks)
         figures["kv_cache_capacity_tokens"] = float(kv.num_blocks * kv.block_size)
         if engine.tiers is not None:
             figures |= engine.tiers.stats()
@@ -385,6 +405,7 @@ class CoreEngineBackend:
                     yield GenerationChunk(prompt_text=prompt_text, prompt_logprobs=chunk_prompt_logprobs)
                     num_emitted += 1
                 token_ids = list(out.new_token_ids)
+                self.num_generated_tokens += len(token_ids)
                 logprobs = list(out.logprobs or ())
                 # The terminating EOS / stop token is not part of the completion (as llama.cpp).
                 if out.finished and out.finish_reason == "stop" and token_ids and token_ids[-1] in eog:

@@ -73,8 +73,9 @@ def create_app(
         backends=_build_backends(config, hooks, backends or {}),
         backend_configs={b.name: b for b in config.backends},
     )
-    # Engines (core_engine) get the plugin-backed quantization/offload/speculation policies.
-    offer_engine_policies(state.backends, pm)
+    # Engines (core_engine, llama.cpp) get the plugin-backed quantization/offload/speculation
+    # policies: this manager's, or in a worker process its own over the same [plugins].
+    offer_engine_policies(state.backends, pm, config.plugins)
     hooks.register_metrics(registry=state.metrics_registry, backends=state.backends)
 
     @asynccontextmanager
@@ -143,8 +144,8 @@ def _construct(index: int, backend_config: BackendConfig, factory: object) -> Ba
     if callable(resolve):
         factory = resolve()
     in_worker = backend_config.worker_process
-    if in_worker is None:
-        in_worker = bool(getattr(factory, "worker_process_default", False))
+    if in_worker is None:  # the backend's own option (core_engine: engine_process), or its kind's
+        in_worker = bool(getattr(backend, "worker_process_default", getattr(factory, "worker_process_default", False)))
     if not in_worker:
         return backend
     from backends.worker import WorkerBackend

@@ -6,13 +6,20 @@ members call the hooks ``infermux_choose_quantization``, ``infermux_plan_kv_offl
 ``infermux_choose_speculation`` (firstresult; the built-in defaults in
 :mod:`plugins.builtin.policy` answer last). A plugin that raises or answers the wrong type
 is logged and the engine's own default decides, so a broken policy cannot stop the engine
-loop. ``create_app`` hands the bundle to every backend that has a
-``use_policies(policies)`` method, before it starts: the core engine backend (its engine
-asks the quantization policy once per load, the KV offload policy once per step while it
-has a host or disk tier, and the speculation policy per request and step), the llama.cpp
-backend (its
-prompt-lookup draft), and a worker-process backend wrapping one of those (the gateway side
-asks once per request and relays the answer, see :mod:`backends.worker.supervisor`).
+loop.
+
+``create_app`` calls :func:`offer_engine_policies` before the backends start. A backend
+with a ``use_policies(policies)`` method in the gateway's process (``engine_process =
+false`` / ``worker_process = false``) gets the bundle of the gateway's plugin manager: the
+core engine backend (its engine asks the quantization policy once per load, the KV offload
+policy once per step while it has a host or disk tier, and the speculation policy per
+request and step) and the llama.cpp backend (its prompt-lookup draft). A backend in a
+worker process (:class:`~backends.worker.supervisor.WorkerBackend`) gets a
+:class:`~backends.worker.protocol.PolicySource` instead: the ``[plugins]`` table, from
+which the worker builds its own plugin manager and calls :func:`worker_policies` — the same
+built-ins, entry points, config modules and settings, answering in the engine's process.
+Plugins registered by code on the gateway's manager (tests, notebooks) cannot follow; a
+warning says so when one implements an engine hook.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import msgspec
 import pluggy
 
 from core_engine.policy import (
@@ -37,11 +45,14 @@ from core_engine.policy import (
     WatermarkOffloadPolicy,
 )
 
-__all__ = ["HookPolicy", "engine_policies", "offer_engine_policies"]
+__all__ = ["HookPolicy", "engine_policies", "offer_engine_policies", "worker_policies"]
 
 logger = logging.getLogger("plugins.policy")
 
 D = TypeVar("D")
+
+#: The hooks an engine consults (answered in the engine's process).
+ENGINE_HOOKS = ("infermux_choose_quantization", "infermux_plan_kv_offload", "infermux_choose_speculation")
 
 
 class HookPolicy:
@@ -116,11 +127,76 @@ def engine_policies(pm: pluggy.PluginManager) -> EnginePolicies:
     return EnginePolicies(quantization=policy, kv_offload=policy, speculation=policy)
 
 
-def offer_engine_policies(backends: Mapping[str, object], pm: pluggy.PluginManager) -> None:
-    """Give the plugin-backed policies to every backend with a ``use_policies`` method."""
+class _PluginSelection(msgspec.Struct, frozen=True, kw_only=True):
+    """The part of ``[plugins]`` that says which plugins load (unknown keys are ignored)."""
+
+    disable: list[str] = []
+    enable: list[str] | None = None
+    modules: list[str] = []
+    settings: dict[str, dict[str, Any]] = {}
+    strict: bool = False
+
+
+def worker_policies(plugins: Mapping[str, Any]) -> EnginePolicies:
+    """The policies of a worker process: its own plugin manager over the ``[plugins]``
+    table ``plugins`` (plain data), with the built-ins and the installed entry points."""
+    from plugins.manager import create_plugin_manager
+
+    selection = msgspec.convert(dict(plugins), _PluginSelection)
+    pm = create_plugin_manager(config=selection)  # type: ignore[arg-type]
+    answering = sorted(
+        {name for name, plugin in pm.list_name_plugin() if plugin is not None and not name.startswith("builtin.")
+         and any(caller.name in ENGINE_HOOKS for caller in pm.get_hookcallers(plugin) or [])}
+    )  # fmt: skip
+    if answering:
+        logger.info("engine policy hooks answered here by: %s", ", ".join(answering))
+    return engine_policies(pm)
+
+
+def offer_engine_policies(
+    backends: Mapping[str, object], pm: pluggy.PluginManager, plugins: Any = None
+) -> None:
+    """Give every backend that consults policies the plugin-backed ones: the bundle of
+    ``pm`` in this process, or, for a worker-process backend, the source it rebuilds them
+    from in its worker (``plugins``: the ``[plugins]`` config; see the module docstring)."""
+    from backends.worker.protocol import PolicySource
+
     policies: EnginePolicies | None = None
-    for backend in backends.values():
+    source = PolicySource(
+        factory=f"{__name__}:{worker_policies.__name__}",
+        plugins=msgspec.to_builtins(plugins) if plugins is not None else {},
+    )
+    in_workers: list[str] = []
+    for name, backend in backends.items():
+        use_policy_source = getattr(backend, "use_policy_source", None)
+        if callable(use_policy_source):
+            if getattr(backend, "takes_policies", False):
+                use_policy_source(source)
+                in_workers.append(name)
+            continue
         use_policies = getattr(backend, "use_policies", None)
         if callable(use_policies):
             policies = policies or engine_policies(pm)
             use_policies(policies)
+    if in_workers:
+        _warn_about_code_registered(pm, in_workers)
+
+
+def _warn_about_code_registered(pm: pluggy.PluginManager, in_workers: list[str]) -> None:
+    """Plugins added to ``pm`` by code answer only in-process engines: say so once."""
+    from plugins.manager import InfermuxPluginManager
+
+    loaded = set()  # names the worker loads too (built-ins, entry points, config modules)
+    if isinstance(pm, InfermuxPluginManager):
+        loaded = {r.name for r in pm.plugin_records() if r.source != "registered"}
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None or name in loaded or name.startswith("builtin."):
+            continue
+        hooks = {caller.name for caller in pm.get_hookcallers(plugin) or []}
+        if hooks & set(ENGINE_HOOKS):
+            logger.warning(
+                "plugin %r was registered by code: its engine hooks (%s) are not consulted by "
+                "backends in worker processes (%s); package it with an entry point or list it in "
+                "[plugins] modules, or set engine_process = false",
+                name, ", ".join(sorted(hooks & set(ENGINE_HOOKS))), ", ".join(in_workers),
+            )  # fmt: skip

@@ -22,7 +22,11 @@ The gateway runs in a background thread; hooks that run after the response was s
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -47,6 +51,7 @@ __all__ = [
     "gateway_config",
     "hook_names",
     "hook_recorder",
+    "installed_plugin",
     "make_plugin_manager",
     "mock_backend",
     "plugin_gateway",
@@ -81,6 +86,40 @@ def make_plugin_manager(
         pm.register(plugin)
     pm.check_pending()
     return pm
+
+
+@contextmanager
+def installed_plugin(directory: Path, name: str, source: str) -> Iterator[Path]:
+    """Install a plugin as an entry point of the group ``infermux`` for the duration.
+
+    Writes ``source`` as the module ``<name with _>_plugin`` and a ``.dist-info`` naming it
+    under entry point ``name`` into ``directory``, which goes on ``sys.path`` and on the
+    ``PYTHONPATH`` that worker processes inherit: the plugin is then loaded like an installed
+    one by this process's plugin managers and by every engine worker started meanwhile
+    (where the engine policy hooks are answered). Yields the module's path.
+    """
+    module = name.replace("-", "_") + "_plugin"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{module}.py"
+    path.write_text(textwrap.dedent(source))
+    dist = directory / f"{module}-0.1.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[infermux]\n{name} = {module}\n")
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), old_path) if p)
+    sys.path.insert(0, str(directory))
+    importlib.invalidate_caches()
+    try:
+        yield path
+    finally:
+        sys.path.remove(str(directory))
+        sys.modules.pop(module, None)
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+        importlib.invalidate_caches()
 
 
 @contextmanager

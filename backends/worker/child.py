@@ -8,14 +8,12 @@ turn; :class:`~backends.worker.protocol.Cancel` cancels the task, which closes t
 generator and so aborts the work exactly as in-process. It exits when told to stop, when the
 gateway process is gone, or when it crashes — which the supervisor handles.
 
-A backend that speculates (``use_policies`` and a non-empty ``speculation_methods``) gets,
-before it starts, a :class:`RelayedSpeculationPolicy`: per step it answers for a request
-from the decision its ``Generate`` frame carried (the gateway's policy, asked once at
-submit): off for the whole request when that decision was off (method None or 0 tokens),
-otherwise this worker's own ``AdaptiveSpeculationPolicy(max_tokens=<relayed k>)`` — so the
-acceptance rate and the batch size still steer each step here, under the gateway's cap. A
-frame without a decision gets ``AdaptiveSpeculationPolicy()``'s answer. Requests are told
-apart by ``request_id``: two running at once under the same id share the later decision.
+A backend that consults engine policies (it has ``use_policies``) gets them before it
+starts, built here by the :class:`~backends.worker.protocol.PolicySource` of ``Start``: the
+gateway's plugin selection loaded again in this process (built-ins, entry points, config
+modules, settings), so the quantization, KV-offload and speculation hooks are answered
+in the engine's process, per load, step and request, exactly as in-process. Plugins an
+embedding program registered by code in the gateway's plugin manager do not exist here.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +40,7 @@ from backends.worker.protocol import (
     Failed,
     Finished,
     Generate,
+    PolicySource,
     Start,
     Started,
     StartFailed,
@@ -52,14 +50,8 @@ from backends.worker.protocol import (
     encode_frame,
     to_wire,
 )
-from core_engine.policy import (
-    AdaptiveSpeculationPolicy,
-    EnginePolicies,
-    SpeculationContext,
-    SpeculationDecision,
-)
 
-__all__ = ["RelayedSpeculationPolicy", "main"]
+__all__ = ["main"]
 
 logger = logging.getLogger("backends.worker")
 
@@ -90,54 +82,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _load_factory(path: str) -> Callable[..., Backend]:
+def _give_policies(backend: Backend, source: PolicySource) -> None:
+    """``backend.use_policies(<what source's factory builds>)``, when the backend takes them."""
+    use_policies = getattr(backend, "use_policies", None)
+    if not callable(use_policies):
+        return
+    use_policies(_load_factory(source.factory)(source.plugins))
+
+
+def _load_factory(path: str) -> Callable[..., Any]:
     module_name, _, attribute = path.partition(":")
     target: Any = importlib.import_module(module_name)
     for part in attribute.split("."):
         target = getattr(target, part)
     return target  # type: ignore[no-any-return]
-
-
-class RelayedSpeculationPolicy:
-    """Answers per step from each request's relayed decision; see the module docstring.
-
-    :meth:`hold` and :meth:`release` run on the event loop, :meth:`choose_speculation` on
-    the backend's own thread: the table is guarded by a lock.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._decisions: dict[str, list[SpeculationDecision | None]] = {}
-        self._default = AdaptiveSpeculationPolicy()
-        self._capped: dict[int, AdaptiveSpeculationPolicy] = {}
-
-    def hold(self, req_id: str, decision: SpeculationDecision | None) -> None:
-        with self._lock:
-            self._decisions.setdefault(req_id, []).append(decision)
-
-    def release(self, req_id: str, decision: SpeculationDecision | None) -> None:
-        with self._lock:
-            held = self._decisions.get(req_id)
-            if held is None:
-                return
-            held.remove(decision)
-            if not held:
-                del self._decisions[req_id]
-
-    def choose_speculation(self, context: SpeculationContext) -> SpeculationDecision:
-        with self._lock:
-            held = self._decisions.get(context.req_id)
-            decision = held[-1] if held else None
-            if decision is None:
-                policy = self._default
-            elif decision.method is None or decision.num_speculative_tokens <= 0:
-                return SpeculationDecision()
-            else:
-                k = decision.num_speculative_tokens
-                policy = self._capped.get(k) or self._capped.setdefault(
-                    k, AdaptiveSpeculationPolicy(max_tokens=k)
-                )
-        return policy.choose_speculation(context)
 
 
 class _Worker:
@@ -149,8 +107,6 @@ class _Worker:
         self.outbox: list[Any] = []
         self.sock: zmq.asyncio.Socket | None = None
         self.stopping = asyncio.Event()
-        #: Installed in a backend that speculates (None: the backend does not).
-        self.speculation: RelayedSpeculationPolicy | None = None
 
     async def serve(self) -> int:
         context = zmq.asyncio.Context()
@@ -188,7 +144,8 @@ class _Worker:
                 self.backend = factory(start.config)
             except ValueError as exc:
                 raise BackendConfigError(str(exc)) from exc
-            self._relay_speculation(self.backend)
+            if start.policies is not None:
+                _give_policies(self.backend, start.policies)
             await self.backend.start()
         except InfermuxError as exc:
             self._post(StartFailed(error=to_wire(exc)))
@@ -207,20 +164,12 @@ class _Worker:
         )
         return True
 
-    def _relay_speculation(self, backend: Backend) -> None:
-        use_policies = getattr(backend, "use_policies", None)
-        if callable(use_policies) and getattr(backend, "speculation_methods", None):
-            self.speculation = RelayedSpeculationPolicy()
-            use_policies(EnginePolicies(speculation=self.speculation))
-
     async def _read(self) -> None:
         assert self.sock is not None
         while True:
             for message in decode_frame(await self.sock.recv()):
                 if isinstance(message, Generate):
-                    task = asyncio.create_task(
-                        self._generate(message.id, message.request, message.speculation)
-                    )
+                    task = asyncio.create_task(self._generate(message.id, message.request))
                     self.tasks[message.id] = task
                 elif isinstance(message, Cancel):
                     task = self.tasks.get(message.id)
@@ -230,16 +179,8 @@ class _Worker:
                     self.stopping.set()
                     return
 
-    async def _generate(
-        self,
-        request_id: int,
-        request: GenerationRequest,
-        speculation: SpeculationDecision | None,
-    ) -> None:
+    async def _generate(self, request_id: int, request: GenerationRequest) -> None:
         assert self.backend is not None
-        relay = self.speculation
-        if relay is not None:
-            relay.hold(request.request_id, speculation)
         stream = self.backend.generate(request)
         try:
             async for chunk in stream:
@@ -257,8 +198,6 @@ class _Worker:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
-            if relay is not None:
-                relay.release(request.request_id, speculation)
             self.tasks.pop(request_id, None)
 
     async def _watch(self) -> None:

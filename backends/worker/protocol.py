@@ -4,10 +4,12 @@ Every frame is a list of messages, so that the tokens of many sequences produced
 loop turn cross in one send. Errors cross as :class:`WireError` and are raised again on the
 gateway side as the same class of :mod:`backends.errors`.
 
-Policies are objects of the gateway (plugins) and do not cross. For a backend that
-speculates, :class:`Generate` carries the gateway's speculation decision for the request,
-taken once at submit (see :mod:`backends.worker.supervisor`); the worker honours it per
-step (see :mod:`backends.worker.child`).
+Policies are objects and do not cross. A backend that consults engine policies gets them
+in the worker, built there from a :class:`PolicySource` carried by :class:`Start`: the
+import path of a factory and the plugin selection it is called with (the gateway's
+``[plugins]`` table), so the plugins answering the engine hooks are loaded in the engine's
+own process from the same entry points, config modules and settings (see
+:mod:`backends.worker.child`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import msgspec
 
 from backends import errors
 from backends.base import BackendConfig, Capabilities, GenerationChunk, GenerationRequest, ModelInfo
-from core_engine.policy import SpeculationDecision
 
 __all__ = [
     "Cancel",
@@ -27,6 +28,7 @@ __all__ = [
     "Finished",
     "Generate",
     "Message",
+    "PolicySource",
     "Start",
     "StartFailed",
     "Started",
@@ -53,19 +55,29 @@ class WireError(msgspec.Struct, frozen=True, kw_only=True):
 # -- gateway -> worker ------------------------------------------------------------------------
 
 
+class PolicySource(msgspec.Struct, frozen=True, kw_only=True):
+    """How the worker builds the policies its backend consults: ``factory(plugins)``.
+
+    ``factory`` is ``module:attribute`` (the gateway passes ``plugins.policy:worker_policies``);
+    ``plugins`` the plugin selection as plain data (the ``[plugins]`` table).
+    """
+
+    factory: str
+    plugins: dict[str, Any] = {}
+
+
 class Start(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Build the backend with ``factory`` (``module:attribute``) and start it."""
+    """Build the backend with ``factory`` (``module:attribute``), give it the policies
+    ``policies`` makes (when it takes policies), and start it."""
 
     config: BackendConfig
     factory: str
+    policies: PolicySource | None = None
 
 
 class Generate(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     id: int
     request: GenerationRequest
-    #: The gateway's speculation policy's answer for this request (None: it did not ask,
-    #: the backend does not speculate; the worker's default policy decides).
-    speculation: SpeculationDecision | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag=True):

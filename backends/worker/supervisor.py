@@ -12,17 +12,12 @@ While it is not ``up``, ``generate`` raises a retryable ``BackendUnavailableErro
 ``health()`` is not ok. The back-off starts at 0.5 s and doubles up to 30 s while the worker
 keeps dying within a minute of starting.
 
-Policies (:class:`~core_engine.policy.EnginePolicies`, the plugins' hooks) live in the
-gateway process and cannot cross to the worker. When the local backend speculates (it has
-``use_policies`` and a non-empty ``speculation_methods``), :meth:`WorkerBackend.use_policies`
-keeps ``policies.speculation``, and :meth:`WorkerBackend.generate` consults it **once per
-request**, at submit, with what the gateway knows then: ``req_id``, the backend's methods,
-``num_prompt_tokens`` 0 (not tokenized here), ``num_output_tokens`` 0, the temperature,
-``num_running`` = the requests in flight on this worker (this one included), the labels and
-the tenant. The answer travels in the ``Generate`` frame; inside the worker it switches
-speculation off for the whole request, or caps the worker's own per-step
-``AdaptiveSpeculationPolicy`` at its ``num_speculative_tokens`` (:mod:`backends.worker.child`).
-A policy that raises is logged once and ``AdaptiveSpeculationPolicy`` answers instead.
+Policies (:class:`~core_engine.policy.EnginePolicies`, the plugins' hooks) are objects of
+a process and do not cross the channel. When the backend consults policies (it has
+``use_policies``), :meth:`WorkerBackend.use_policy_source` keeps a
+:class:`~backends.worker.protocol.PolicySource` — the gateway's plugin selection — and every
+worker incarnation builds its own policies from it before its model loads, so the hooks run
+in the engine's process on the engine's step path (:mod:`backends.worker.child`).
 """
 
 from __future__ import annotations
@@ -65,6 +60,7 @@ from backends.worker.protocol import (
     Failed,
     Finished,
     Generate,
+    PolicySource,
     Start,
     Started,
     StartFailed,
@@ -73,13 +69,6 @@ from backends.worker.protocol import (
     decode_frame,
     encode_frame,
     from_wire,
-)
-from core_engine.policy import (
-    EnginePolicies,
-    GuardedSpeculationPolicy,
-    SpeculationContext,
-    SpeculationDecision,
-    SpeculationMethod,
 )
 
 __all__ = ["WorkerBackend", "factory_path"]
@@ -153,11 +142,9 @@ class WorkerBackend:
         self._restart_task: asyncio.Task[None] | None = None
         self._stats: dict[str, float] = {}
         self._recovery_listeners: list[Callable[[], None]] = []
-        # Speculation methods of the local backend when it takes policies (else none).
-        self._speculation_methods: tuple[SpeculationMethod, ...] = ()
-        if callable(getattr(local, "use_policies", None)):
-            self._speculation_methods = tuple(getattr(local, "speculation_methods", ()))
-        self._speculation_policy: GuardedSpeculationPolicy | None = None
+        #: Whether the backend consults engine policies (then the worker builds them).
+        self.takes_policies = callable(getattr(local, "use_policies", None))
+        self._policy_source: PolicySource | None = None
         #: Times the worker was started again after it died.
         self.restarts = 0
         #: How the last worker ended ("killed by SIGSEGV"), or None.
@@ -208,7 +195,7 @@ class WorkerBackend:
         threading.Thread(target=wait_exit, name=f"worker-wait-{self.name}", daemon=True).start()
         worker.reader = asyncio.create_task(self._read(worker), name=f"worker-read-{self.name}")
         config = msgspec.structs.replace(self.config, worker_process=False)
-        worker.send(Start(config=config, factory=self._factory))
+        worker.send(Start(config=config, factory=self._factory, policies=self._policy_source))
         logger.info("backend %s: worker process %d started", self.name, proc.pid)
         began = time.monotonic()
         while True:
@@ -336,30 +323,11 @@ class WorkerBackend:
 
     # -- policies ---------------------------------------------------------------------------
 
-    def use_policies(self, policies: EnginePolicies) -> None:
-        """Keep ``policies.speculation`` to decide each request at submit (see the module);
-        ignored when the local backend does not speculate."""
-        if self._speculation_methods:
-            self._speculation_policy = GuardedSpeculationPolicy(
-                policies.speculation, owner=f"backend {self.name}"
-            )
-
-    def _speculation_for(self, request: GenerationRequest) -> SpeculationDecision | None:
-        """The speculation policy's answer for ``request`` (None: not asked)."""
-        policy = self._speculation_policy
-        if policy is None:
-            return None
-        context = SpeculationContext(
-            req_id=request.request_id,
-            methods=self._speculation_methods,
-            num_prompt_tokens=0,
-            num_output_tokens=0,
-            temperature=request.params.temperature,
-            num_running=len(self._pending) + 1,
-            labels=request.labels,
-            tenant=request.tenant,
-        )
-        return policy.choose_speculation(context)
+    def use_policy_source(self, source: PolicySource) -> None:
+        """Build the backend's policies in the worker from ``source`` (from its next start;
+        call before :meth:`start`). Ignored when the backend takes no policies."""
+        if self.takes_policies:
+            self._policy_source = source
 
     # -- the Backend contract ---------------------------------------------------------------
 
@@ -371,12 +339,11 @@ class WorkerBackend:
         worker = self._worker
         if worker is None or self._state != "up":
             raise BackendUnavailableError(f"backend {self.name!r}: {self._detail}", retry_after=1)
-        speculation = self._speculation_for(request)
         self._next_id += 1
         request_id = self._next_id
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._pending[request_id] = queue
-        worker.send(Generate(id=request_id, request=request, speculation=speculation))
+        worker.send(Generate(id=request_id, request=request))
         try:
             while True:
                 item = await queue.get()

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,13 +24,14 @@ import pytest_asyncio
 from backends.base import BackendConfig, GenerationChunk, GenerationRequest
 from backends.llamacpp import LlamaCppBackend, create_backend
 from backends.worker import WorkerBackend
-from backends.worker.child import RelayedSpeculationPolicy
+from backends.worker.protocol import PolicySource
 from core_engine.policy import (
     AdaptiveSpeculationPolicy,
     EnginePolicies,
     SpeculationContext,
     SpeculationDecision,
 )
+from plugins.testing import installed_plugin
 from tests.backends.llamacpp_util import _chat, _collect
 
 PASSAGE = (
@@ -110,7 +112,7 @@ def policy(spec: LlamaCppBackend) -> Iterator[Any]:
     spec.use_policies(EnginePolicies())
 
 
-# -- options, and the worker's relay alone (no model) ------------------------------------------
+# -- options (no model) ------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -133,32 +135,6 @@ def test_without_the_option_the_backend_does_not_speculate() -> None:
     llama = create_backend(BackendConfig(name="v", kind="llamacpp"))
     assert llama.speculation_methods == ()
     assert llama.stats() == {}
-
-
-def test_the_worker_relay_honours_the_gateway_decision_per_request() -> None:
-    relay = RelayedSpeculationPolicy()
-
-    def context(req_id: str, **fields: Any) -> SpeculationContext:
-        return SpeculationContext(
-            req_id=req_id, methods=("ngram",), num_prompt_tokens=10, num_output_tokens=5, **fields
-        )
-
-    relay.hold("off", SpeculationDecision())
-    relay.hold("capped", SpeculationDecision(method="ngram", num_speculative_tokens=2))
-    relay.hold("asked-nothing", None)
-    assert relay.choose_speculation(context("off")) == SpeculationDecision()
-    # Capped at 2, still adaptive: full acceptance gives the cap, poor acceptance gives off.
-    good = context("capped", num_proposed_tokens=40, num_accepted_tokens=40)
-    assert relay.choose_speculation(good).num_speculative_tokens == 2
-    poor = context("capped", num_proposed_tokens=40, num_accepted_tokens=1)
-    assert relay.choose_speculation(poor).method is None
-    busy = context("capped", num_running=64)
-    assert relay.choose_speculation(busy).method is None
-    default = relay.choose_speculation(context("asked-nothing", num_proposed_tokens=40,
-                                               num_accepted_tokens=40))  # fmt: skip
-    assert default.num_speculative_tokens == AdaptiveSpeculationPolicy().max_tokens
-    relay.release("off", SpeculationDecision())
-    assert relay.choose_speculation(context("off")).method == "ngram"  # forgotten: default
 
 
 # -- the real model in this process -------------------------------------------------------------
@@ -288,15 +264,30 @@ async def _wait_for(condition: Any, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+#: A policy plugin as a distribution ships it: speculation off for tenant "x".
+TENANT_OFF_PLUGIN = """
+    from plugins.hookspecs import hookimpl
+    from core_engine.policy import SpeculationDecision
+
+
+    @hookimpl
+    def infermux_choose_speculation(context):
+        if context.labels.get("tenant") == "x":
+            return SpeculationDecision()
+        return None  # the built-in adaptive policy decides
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
-async def test_a_worker_process_honours_the_gateway_policy_per_request() -> None:
+async def test_a_worker_process_asks_the_installed_policy_plugin_per_request(tmp_path: Path) -> None:
     config = BackendConfig(
         name="w", kind="llamacpp", options=OPTIONS | SPECULATION, worker_process=True
     )
     worker = WorkerBackend(config, create_backend, create_backend(config))
-    worker.use_policies(EnginePolicies(speculation=TenantOff()))
-    await worker.start()
+    with installed_plugin(tmp_path, "tenant-off", TENANT_OFF_PLUGIN):
+        worker.use_policy_source(PolicySource(factory="plugins.policy:worker_policies"))
+        await worker.start()
     try:
         off = await _collect(worker, _labelled("a", "x"))
         on = await _collect(worker, _labelled("b", "y"))

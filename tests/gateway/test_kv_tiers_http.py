@@ -66,7 +66,12 @@ def stack() -> Iterator[tuple[LiveGateway, TierPolicies, HookRecorder]]:
     # Dense fp32 weights: the test compares a host-tier read with the cold run token for token,
     # and the int4 default's 8-bit activations can flip a near-tie between the two attention
     # orders (docs/core-engine-model.md).
-    common = {"dtype": "float32", "weight_format": "dense", "num_threads": 1, "kv_cache_memory_mb": POOL_MB}
+    # In the gateway's process: the test reads what the plugin object saw (the hooks in an
+    # engine process are driven through an installed plugin in test_speculation_policy.py).
+    common = {
+        "dtype": "float32", "weight_format": "dense", "num_threads": 1, "kv_cache_memory_mb": POOL_MB,
+        "engine_process": False,
+    }
     config = gateway_config(
         BackendConfig(
             name="tiers", kind="core_engine",

@@ -1,27 +1,30 @@
 """Speculation through the whole stack: HTTP, the official client, a policy plugin, the engine.
 
-One live gateway on loopback serves the default model twice through the core engine: alias
-``plain`` without speculation and ``spec`` with n-gram lookup. A plugin answers the hook
-``infermux_choose_speculation``: off for tenant ``free``, four tokens for everyone else. The
+One live gateway on loopback serves the default model twice through the core engine, each in
+its own engine process (the default): alias ``plain`` without speculation and ``spec`` with
+n-gram lookup. A plugin, installed as an entry point, answers the hook
+``infermux_choose_speculation`` in the engine's process: off for tenant ``free``, four tokens
+for everyone else; it logs the process and tenant of every question it answers. The
 figures come back through the request summary (``infermux_on_request_end``) that tracing and
 metrics read, and through ``/metrics``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from backends.base import BackendConfig
-from core_engine.policy import SpeculationContext, SpeculationDecision
 from gateway.auth import hash_key
-from gateway.config import ApiKeyConfig, AuthConfig
+from gateway.config import ApiKeyConfig, AuthConfig, PluginsConfig
 from gateway.testing import LiveGateway, gateway_config, run_gateway
-from plugins.hookspecs import hookimpl
-from plugins.testing import HookRecorder, make_plugin_manager
+from plugins.testing import HookRecorder, installed_plugin, make_plugin_manager
 
 PAID, FREE = "sk-paid-0123456789", "sk-free-0123456789"
 
@@ -37,27 +40,51 @@ PASSAGE = (
 )
 MESSAGES = [{"role": "user", "content": f"Repeat this code exactly:\n{PASSAGE}"}]
 
+#: The policy plugin under test, as a distribution would ship it.
+PLUGIN = """
+    import json
+    import os
 
-class OffForFreeTier:
-    """The policy plugin under test; records what the engine asked."""
+    from core_engine.policy import SpeculationDecision
+    from plugins.hookspecs import hookimpl
 
-    def __init__(self) -> None:
-        self.tenants: set[str | None] = set()
 
-    @hookimpl
-    def infermux_choose_speculation(self, context: SpeculationContext) -> SpeculationDecision:
-        self.tenants.add(context.tenant)
-        if context.tenant == "free":
-            return SpeculationDecision()
-        return SpeculationDecision(method="ngram", num_speculative_tokens=4)
+    class OffForFreeTier:
+        def __init__(self, log):
+            self.log = log
+
+        @hookimpl
+        def infermux_choose_speculation(self, context):
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "tenant": context.tenant}) + "\\n")
+            if context.tenant == "free":
+                return SpeculationDecision()
+            return SpeculationDecision(method="ngram", num_speculative_tokens=4)
+
+
+    def create_plugin(settings):
+        return OffForFreeTier(settings["log"])
+"""
+
+
+class Stack:
+    def __init__(self, gateway: LiveGateway, recorder: HookRecorder, log: Path) -> None:
+        self.gateway, self.recorder, self.log = gateway, recorder, log
+
+    def answered(self) -> list[dict[str, Any]]:
+        """What the plugin answered so far: one record per question, in the engine process."""
+        return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[tuple[LiveGateway, OffForFreeTier, HookRecorder]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # Dense fp32 weights: the test compares speculative and plain output token for token, and
     # the int4 default's 8-bit activations can flip a near-tie between the verify pass's and
     # the decode step's attention (docs/core-engine-model.md).
     common = {"dtype": "float32", "weight_format": "dense", "num_threads": 1, "kv_cache_memory_mb": 64}
+    root = tmp_path_factory.mktemp("spec-policy")
+    log = root / "answers.jsonl"
+    plugins = PluginsConfig(settings={"spec-policy": {"log": str(log)}})
     config = gateway_config(
         BackendConfig(name="core-plain", kind="core_engine", options=common),
         BackendConfig(
@@ -70,14 +97,17 @@ def stack() -> Iterator[tuple[LiveGateway, OffForFreeTier, HookRecorder]]:
                 ApiKeyConfig(id="free", tenant="free", key_sha256=hash_key(FREE)),
             ]
         ),
+        plugins=plugins,
     )
-    policy = OffForFreeTier()
     recorder = HookRecorder(["infermux_on_request_end"])
-    with run_gateway(config, plugin_manager=make_plugin_manager(policy, recorder)) as gateway:
-        yield gateway, policy, recorder
+    with installed_plugin(root / "site", "spec-policy", PLUGIN):
+        pm = make_plugin_manager(recorder, config=plugins, entry_points=True)
+        with run_gateway(config, plugin_manager=pm) as gateway:
+            yield Stack(gateway, recorder, log)
 
 
-def _ask(gateway: LiveGateway, key: str, model: str, recorder: HookRecorder, **params: Any) -> tuple[Any, Any]:
+def _ask(stack: Stack, key: str, model: str, **params: Any) -> tuple[Any, Any]:
+    gateway, recorder = stack.gateway, stack.recorder
     recorder.clear()
     client = gateway.openai_client(api_key=key, timeout=300.0)
     reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=48, temperature=0, **params)
@@ -85,10 +115,10 @@ def _ask(gateway: LiveGateway, key: str, model: str, recorder: HookRecorder, **p
     return reply, summary.choices[0].speculation
 
 
-def test_greedy_output_over_http_is_the_plain_output(stack: tuple[LiveGateway, OffForFreeTier, HookRecorder]) -> None:
-    gateway, _, recorder = stack
-    plain, none = _ask(gateway, PAID, "plain", recorder)
-    spec, stats = _ask(gateway, PAID, "spec", recorder)
+def test_greedy_output_over_http_is_the_plain_output(stack: Stack) -> None:
+    gateway = stack.gateway
+    plain, none = _ask(stack, PAID, "plain")
+    spec, stats = _ask(stack, PAID, "spec")
     assert none is None  # the plain backend has no speculation configured
     assert spec.choices[0].message.content == plain.choices[0].message.content
     assert spec.usage.completion_tokens == plain.usage.completion_tokens
@@ -100,13 +130,15 @@ def test_greedy_output_over_http_is_the_plain_output(stack: tuple[LiveGateway, O
     assert text == plain.choices[0].message.content
 
 
-def test_a_policy_plugin_turns_speculation_off_for_one_tenant(
-    stack: tuple[LiveGateway, OffForFreeTier, HookRecorder],
-) -> None:
-    gateway, policy, recorder = stack
-    paid, paid_stats = _ask(gateway, PAID, "spec", recorder)
-    free, free_stats = _ask(gateway, FREE, "spec", recorder)
-    assert {"paid", "free"} <= policy.tenants  # the engine asked the plugin, per tenant
+def test_a_policy_plugin_turns_speculation_off_for_one_tenant(stack: Stack) -> None:
+    gateway = stack.gateway
+    paid, paid_stats = _ask(stack, PAID, "spec")
+    free, free_stats = _ask(stack, FREE, "spec")
+    answered = stack.answered()
+    # The engine asked the plugin, per tenant, in its own process (not the gateway's).
+    assert {"paid", "free"} <= {a["tenant"] for a in answered}
+    assert {a["pid"] for a in answered} == {gateway.backend("core-spec").pid}
+    assert os.getpid() not in {a["pid"] for a in answered}
     assert paid_stats.num_draft_tokens > 0
     assert free_stats.num_draft_tokens == 0 and free_stats.num_drafts == 0
     assert free.choices[0].message.content == paid.choices[0].message.content

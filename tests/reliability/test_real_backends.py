@@ -58,13 +58,18 @@ def gw(recorded: tuple[LiveGateway, Any]) -> LiveGateway:
 
 
 def kv_capacity(gw: LiveGateway) -> int:
-    engine = gw.backend("core").engine
-    return engine.num_blocks * engine.kv_cache_manager.block_size
+    """The engine's KV pool in tokens, as its worker process reports it."""
+    wait_until(lambda: "kv_cache_capacity_tokens" in gw.backend("core").stats(), timeout_s=30)
+    return int(gw.backend("core").stats()["kv_cache_capacity_tokens"])
 
 
 def kv_all_free(gw: LiveGateway) -> bool:
-    engine = gw.backend("core").engine
-    return not engine.has_unfinished_requests() and engine.num_free_blocks == engine.num_blocks
+    """No request left in the engine and every block free (the worker's last report)."""
+    stats = gw.backend("core").stats()
+    return "num_running" in stats and (
+        stats["num_running"] == stats["num_waiting"] == 0
+        and stats["kv_cache_num_free_blocks"] == stats["kv_cache_num_blocks"]
+    )
 
 
 def complete(gw: str, model: str, **fields: Any) -> httpx.Response:
@@ -77,7 +82,7 @@ def test_a_request_that_can_never_fit_the_kv_pool_is_400(gw: LiveGateway) -> Non
     error = envelope(complete(gw, "core", max_tokens=capacity + 16), 400)
     assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
     assert "KV cache" in error["message"]
-    assert kv_all_free(gw)
+    wait_until(lambda: kv_all_free(gw), timeout_s=30)
     assert_still_serving(gw, model="core")
 
 

@@ -292,6 +292,101 @@ def test_a_llamacpp_worker_crash_under_load_fails_requests_cleanly(
         wait_until(lambda rid=request_id: len(ledger_rows(ledger, rid)) == 1)
 
 
+# -- the core engine in its (default) engine process --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def core_gateway(live_gateway: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
+    config = gateway_config(
+        BackendConfig(
+            name="core", kind="core_engine",
+            options={"num_threads": 1, "kv_cache_memory_mb": 128, "max_num_seqs": 8},
+        ),
+        mock_backend("local"),
+        models={"core": ["core"], "core_or_local": ["core", "local"], "local": ["local"]},
+    )  # fmt: skip
+    with live_gateway(with_ledger(config, ledger)) as gw:
+        yield gw, ledger
+
+
+def greedy(gw: LiveGateway, model: str = "core") -> str:
+    reply = gw.openai_client().chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=12, temperature=0,
+    )  # fmt: skip
+    return reply.choices[0].message.content or ""
+
+
+@pytest.mark.slow
+def test_the_core_engine_runs_in_its_own_process_by_default(core_gateway: Any) -> None:
+    gw, _ = core_gateway
+    backend = worker_of(gw, "core")
+    assert backend.kind == "core_engine" and backend.pid not in (None, os.getpid())
+    text = greedy(gw)
+    assert text and greedy(gw) == text
+    # The engine's figures cross the channel (for /metrics).
+    wait_until(lambda: backend.stats().get("kv_cache_num_blocks", 0) > 0, timeout_s=10)
+    metrics = httpx.get(f"{gw}/metrics").text
+    assert 'infermux_backend_worker_up{backend="core"} 1.0' in metrics
+
+
+@pytest.mark.slow
+def test_a_killed_engine_process_falls_back_turns_unready_restarts_and_serves_again(
+    core_gateway: Any,
+) -> None:
+    gw, ledger = core_gateway
+    backend = worker_of(gw, "core")
+    before = greedy(gw)
+    restarts = backend.restarts
+    results: dict[str, httpx.Response] = {}
+    lock = threading.Lock()
+
+    def one(name: str, content: str) -> None:
+        body = {
+            "model": "core_or_local", "max_tokens": 400, "ignore_eos": True,
+            "messages": [{"role": "user", "content": content}],
+        }  # fmt: skip
+        response = httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=120)
+        with lock:
+            results[name] = response
+
+    threads = [
+        threading.Thread(target=one, args=(f"decoding-{k}", f"Story {k}: once upon a time"))
+        for k in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: backend.num_generated_tokens > 20, timeout_s=60)
+    # A long prompt is still being prefilled (no first token yet) when the process dies.
+    threads.append(threading.Thread(target=one, args=("prefilling", WORDS * 3)))
+    threads[-1].start()
+    wait_until(lambda: backend.stats().get("worker_tasks", 0) >= 4, timeout_s=60)
+    os.kill(backend.pid or 0, signal.SIGKILL)
+    wait_until(lambda: backend.state == "restarting", timeout_s=10)
+    ready = httpx.get(f"{gw}/ready")
+    assert ready.status_code == 503 and "SIGKILL" in ready.json()["models"]["core"]
+    for thread in threads:
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "a request hung after the engine process died"
+    # Before its first chunk a request is retried on the alias's next backend; after it (the
+    # engine had begun answering), it fails with a retryable 503 naming the signal.
+    fell_back = results.pop("prefilling")
+    assert fell_back.status_code == 200 and fell_back.headers["x-infermux-backend"] == "local"
+    for response in results.values():
+        if response.status_code != 200:
+            assert response.status_code == 503 and "retry-after" in response.headers
+            error = response.json()["error"]
+            assert error["code"] == "backend_unavailable" and "SIGKILL" in error["message"]
+    results["prefilling"] = fell_back
+    wait_restarted(backend, restarts + 1)
+    assert httpx.get(f"{gw}/ready").status_code == 200
+    assert greedy(gw) == before
+    for response in results.values():
+        rid = response.headers["x-request-id"]
+        wait_until(lambda rid=rid: len(ledger_rows(ledger, rid)) == 1)
+
+
 # -- start-up: ready means ready ---------------------------------------------------------------
 
 
