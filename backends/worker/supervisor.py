@@ -194,7 +194,7 @@ class WorkerBackend:
 
         threading.Thread(target=wait_exit, name=f"worker-wait-{self.name}", daemon=True).start()
         worker.reader = asyncio.create_task(self._read(worker), name=f"worker-read-{self.name}")
-        config = msgspec.structs.replace(self.config, worker_process=False)
+        config = msgspec.structs.replace(self.config, worker_process=None)  # it runs in that process
         worker.send(Start(config=config, factory=self._factory, policies=self._policy_source))
         logger.info("backend %s: worker process %d started", self.name, proc.pid)
         began = time.monotonic()

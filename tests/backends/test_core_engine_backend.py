@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -178,3 +179,20 @@ async def test_health_and_unknown_option() -> None:
         create_backend(BackendConfig(name="x", kind="core_engine", options={"bogus": 1}))
     cold = create_backend(BackendConfig(name="y", kind="core_engine"))
     assert (await cold.health()).ok is False
+
+
+async def test_the_engine_runs_in_its_own_process_unless_engine_process_is_false() -> None:
+    from backends.worker import WorkerBackend
+    from gateway.app import create_app
+    from gateway.testing import gateway_config
+
+    def built(**fields: Any) -> Any:
+        config = gateway_config(BackendConfig(name="c", kind="core_engine", **fields), models={"m": ["c"]})
+        return create_app(config).state.gateway.backends["c"]
+
+    assert isinstance(built(), WorkerBackend)  # the default: nothing loads until start
+    assert isinstance(built(options={"engine_process": True}), WorkerBackend)
+    assert isinstance(built(options={"engine_process": False}), CoreEngineBackend)
+    assert isinstance(built(worker_process=False), CoreEngineBackend)
+    with pytest.raises(Exception, match=r"backends.c.options.engine_process: contradicts"):
+        built(options={"engine_process": False}, worker_process=True)
