@@ -319,6 +319,16 @@ class CoreEngineBackend:
             return HealthStatus(ok=False, detail="engine loop stopped")
         return HealthStatus(ok=True, detail=f"{llm.engine.num_unfinished_requests} requests in flight")
 
+    @property
+    def fatal(self) -> str | None:
+        """Why this backend can serve nothing more until it is built again (its engine loop
+        died: a tensor-parallel rank was lost, a kernel raised), else None. A worker process
+        exits on it, so that its supervisor starts a fresh engine."""
+        llm = self._llm
+        if llm is not None and not llm.is_running:
+            return "its engine loop stopped"
+        return None
+
     async def aclose(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:

@@ -6,7 +6,9 @@ progress to the inherited stderr), then serves: one task per
 :class:`~backends.worker.protocol.Generate`, whose chunks go back in frames gathered per loop
 turn; :class:`~backends.worker.protocol.Cancel` cancels the task, which closes the backend's
 generator and so aborts the work exactly as in-process. It exits when told to stop, when the
-gateway process is gone, or when it crashes — which the supervisor handles.
+gateway process is gone, when its backend reports itself broken for good (a ``fatal``
+reason: the core engine's loop died, e.g. a tensor-parallel rank was lost; status 3), or
+when it crashes — the last two the supervisor handles by starting a fresh worker.
 
 A backend that consults engine policies (it has ``use_policies``) gets them before it
 starts, built here by the :class:`~backends.worker.protocol.PolicySource` of ``Start``: the
@@ -56,6 +58,8 @@ __all__ = ["main"]
 logger = logging.getLogger("backends.worker")
 
 _STATS_EVERY_S = 0.1
+#: Exit status when the backend reports itself broken (``backend.fatal``).
+_EXIT_FATAL = 3
 _PR_SET_PDEATHSIG = 1
 
 
@@ -208,6 +212,12 @@ class _Worker:
             if os.getppid() != self.parent_pid:
                 logger.error("the gateway process is gone; exiting")
                 os._exit(1)
+            fatal = getattr(self.backend, "fatal", None)
+            if isinstance(fatal, str) and not self.stopping.is_set():
+                await asyncio.sleep(_STATS_EVERY_S)  # the failed requests' frames go out first
+                self._flush()
+                logger.error("backend %s; exiting so that the gateway starts it again", fatal)
+                os._exit(_EXIT_FATAL)
             values = self._probe()
             if values != last:
                 self._post(Stats(values=values))
