@@ -118,12 +118,22 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     #: Run the engine in its own supervised worker process (default); false: in the
     #: gateway's process (tests, notebooks; plugins registered by code then answer its hooks).
     engine_process: bool = True
+    #: Ranks the weights are split over (tensor parallelism; this engine starts the other
+    #: ranks as processes: gloo on CPU, NCCL on CUDA with rank r on cuda:r).
+    tensor_parallel_size: int = 1
+    #: How long a step waits for a rank that died or hangs before the engine fails (and its
+    #: worker process is started again).
+    tensor_parallel_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         # A combination no CPU runs is refused when the config is read (torch is not needed).
         from core_engine.config import check_weight_combination
 
         check_weight_combination(self.weight_format, self.dtype, self.device)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s}")
         for fmt in (self.layer_weight_formats or {}).values():
             check_weight_combination(fmt, self.dtype, self.device, prefix="layer_weight_formats: ")
 
@@ -277,6 +287,8 @@ class CoreEngineBackend:
                 kv_disk_dir=None if o.kv_disk_dir is None else str(Path(o.kv_disk_dir).expanduser()),
                 kv_disk_bytes=o.kv_disk_bytes if o.kv_disk_bytes is not None else 8 * 2**30,
                 kv_tenant_quota=o.kv_tenant_quota,
+                tensor_parallel_size=o.tensor_parallel_size,
+                tensor_parallel_timeout_s=o.tensor_parallel_timeout_s,
             )
             llm = AsyncLLM.from_config(config, policies=self._policies)
         except ValueError as exc:  # options this machine or file cannot run (weight_format...)
@@ -317,6 +329,9 @@ class CoreEngineBackend:
             return HealthStatus(ok=False, detail="model not loaded")
         if not llm.is_running:
             return HealthStatus(ok=False, detail="engine loop stopped")
+        lost = self._lost_rank()
+        if lost is not None:
+            return HealthStatus(ok=False, detail=lost)
         return HealthStatus(ok=True, detail=f"{llm.engine.num_unfinished_requests} requests in flight")
 
     @property
@@ -327,7 +342,13 @@ class CoreEngineBackend:
         llm = self._llm
         if llm is not None and not llm.is_running:
             return "its engine loop stopped"
-        return None
+        return self._lost_rank()
+
+    def _lost_rank(self) -> str | None:
+        """A tensor-parallel rank that exited (the next step would fail on it), else None."""
+        engine = self.engine
+        ranks = None if engine is None else engine.tensor_parallel
+        return None if ranks is None else ranks.lost()
 
     async def aclose(self) -> None:
         llm, self._llm = self._llm, None
@@ -354,6 +375,8 @@ class CoreEngineBackend:
             figures["spec_decode_num_accepted_tokens"] = float(scheduler.num_spec_accepted_tokens)
             if speculator.ngram is not None:
                 figures["spec_decode_ngram_seconds"] = speculator.ngram.seconds
+        if engine.tensor_parallel is not None:
+            figures["tensor_parallel_size"] = float(engine.tensor_parallel.world_size)
         kv = engine.kv_cache_manager
         figures["kv_cache_num_blocks"] = float(kv.num_blocks)
         figures["kv_cache_num_free_blocks"] = float(kv.num_free_blocks)

@@ -128,6 +128,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Most of each tier's blocks one tenant's cached prefixes may hold (a fraction; None:
     #: no quota). A tenant at its quota recycles its own least recently used blocks.
     kv_tenant_quota: float | None = None
+    #: Ranks the weights are split over (:mod:`core_engine.distributed`): this engine is
+    #: rank 0 and starts the others as processes; gloo on CPU, NCCL on CUDA (rank r on cuda:r).
+    tensor_parallel_size: int = 1
+    #: How long a collective waits for a rank before the step fails (a rank that died or hangs).
+    tensor_parallel_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         check_weight_combination(self.weight_format, self.dtype, self.device, prefix="EngineConfig.")
@@ -151,6 +156,28 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"EngineConfig.kv_tenant_quota must be in (0, 1], got {self.kv_tenant_quota}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(f"EngineConfig.tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
+        if self.tensor_parallel_size == 1:
+            return
+        # What runs on rank 0 alone and would need every rank's part of the model or pool.
+        refused = {
+            "compile_decode": self.compile_decode,
+            "weight_memory_bytes": self.weight_memory_bytes is not None,
+            "kv_host_memory_bytes / kv_disk_dir": self.kv_host_memory_bytes > 0 or self.kv_disk_dir is not None,
+            "speculation.methods 'draft'": self.speculation is not None and "draft" in self.speculation.methods,
+        }
+        for name, used in refused.items():
+            if used:
+                raise ValueError(
+                    f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size}: {name} does not run with "
+                    "tensor parallelism yet (n-gram speculation, prefix caching and every weight/KV format do)"
+                )
 
 
 def resolve_dtype(name: str, device: str, weight_format: str = "auto"):  # -> torch.dtype (lazy torch)

@@ -187,8 +187,11 @@ class LLMEngine:
         dtype: torch.dtype,
         policies: EnginePolicies | None = None,
         draft_model: torch.nn.Module | None = None,
+        tensor_parallel: Any = None,
     ) -> None:
-        model_config: Any = model.config  # LlamaConfig
+        """``tensor_parallel``: the other ranks (:class:`~core_engine.distributed.launcher.
+        TensorParallelRanks`) when ``model`` is rank 0's shard; the engine owns them."""
+        model_config: Any = model.config  # LlamaConfig (a shard's: its heads)
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -217,10 +220,15 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
+        #: Ranks 1..N-1 of a tensor-parallel engine (None: one rank).
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:
+            tensor_parallel.start_runners(num_blocks)  # rank 0 holds the most KV heads: its count fits all
         self.model_runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype,
             kv_cache_dtype=config.kv_cache_dtype, device=config.device,
             compile_decode=config.compile_decode, seed=config.seed,
+            before_forward=None if tensor_parallel is None else tensor_parallel.send_step,
         )
         self.eos_token_ids = frozenset(tokenizer.stop_token_ids)
         self._states: dict[str, _OutputState] = {}
@@ -327,9 +335,12 @@ class LLMEngine:
             self.tiers.policy = policies.kv_offload
 
     def close(self) -> None:
-        """Release what outlives a step: queued disk writes of the KV tiers are finished."""
+        """Release what outlives a step: queued disk writes of the KV tiers are finished, the
+        other tensor-parallel ranks stopped."""
         if self.tiers is not None:
             self.tiers.close()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, policies: EnginePolicies | None = None) -> LLMEngine:
@@ -339,6 +350,8 @@ class LLMEngine:
         if config.num_threads is not None and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
         config = apply_quantization_policy(config, (policies or EnginePolicies()).quantization)
+        if config.tensor_parallel_size > 1:
+            return cls._from_config_tensor_parallel(config, policies)
         dtype = resolve_dtype(config.dtype, config.device, config.weight_format)
         # The context window goes to the loader too: LongRoPE models choose their factors by it.
         model, _, tokenizer = load_model(
@@ -359,6 +372,21 @@ class LLMEngine:
                 if draft_tokenizer.stop_token_ids != tokenizer.stop_token_ids:
                     raise ValueError("speculation.draft_model_path: the draft's tokenizer is not the target's")
         return cls(config, model, tokenizer, dtype=dtype, policies=policies, draft_model=draft_model)
+
+    @classmethod
+    def _from_config_tensor_parallel(cls, config: EngineConfig, policies: EnginePolicies | None) -> LLMEngine:
+        """Rank 0 of ``config.tensor_parallel_size`` ranks (:mod:`core_engine.distributed`)."""
+        from core_engine.distributed.launcher import TensorParallelRanks, rank_threads
+
+        threads = rank_threads(config)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        ranks, model, dtype, tokenizer = TensorParallelRanks.start(config)
+        try:
+            return cls(config, model, tokenizer, dtype=dtype, policies=policies, tensor_parallel=ranks)
+        except BaseException:
+            ranks.close()
+            raise
 
     # -- requests --------------------------------------------------------------------------
 
@@ -464,7 +492,12 @@ class LLMEngine:
             if tiers is not None:
                 tiers.wait_for_loads(0.002)  # only requests waiting on disk reads are left
             return []
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        try:
+            runner_output = self.model_runner.execute_model(scheduler_output)
+        except RuntimeError as exc:  # a collective or a send to a rank failed
+            if self.tensor_parallel is None:
+                raise
+            raise self.tensor_parallel.step_failed(exc) from exc
         if tiers is not None:
             tiers.after_step()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)

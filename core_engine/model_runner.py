@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 from torch import nn
 
@@ -19,9 +21,27 @@ from core_engine.sampler import Sampler, SamplingMetadata, compute_prompt_logpro
 from core_engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from core_engine.spec_decode.rejection import verify_proposals
 
-__all__ = ["ModelRunner"]
+__all__ = ["ForwardBatch", "ModelRunner"]
 
 logger = logging.getLogger(__name__)
+
+
+class ForwardBatch(msgspec.Struct, frozen=True, array_like=True):
+    """What one step's forward pass needs, flat (and what rank 0 of a tensor-parallel engine
+    sends every other rank before the step; :mod:`core_engine.distributed`).
+
+    ``decodes``/``prefills`` are :func:`~core_engine.paged_attention.build_attention_metadata`'s
+    arguments; ``logits_indices`` the rows whose logits are wanted.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    #: ``(position, block_ids)`` or ``(position, block_ids, num_tokens)`` per decode.
+    decodes: list[tuple[int | list[int], ...]]
+    prefills: list[tuple[int, int, list[int]]]
+    logits_indices: list[int]
+    #: Run the compiled decode forward (a pure-decode step of an engine that compiled one).
+    compiled: bool = False
 
 
 class ModelRunner:
@@ -42,6 +62,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         compile_decode: bool = False,
         seed: int | None = None,
+        before_forward: Callable[[ForwardBatch], None] | None = None,
     ) -> None:
         config: Any = model.config  # LlamaConfig
         self.model = model
@@ -60,6 +81,9 @@ class ModelRunner:
         )
         self.attn = PagedAttention(self.kv_cache, num_heads=config.num_heads)
         self.sampler = Sampler(None if seed is None else torch.Generator(device=self.device).manual_seed(seed))
+        #: Called with each step's batch before its forward pass (a tensor-parallel engine's
+        #: rank 0 sends it to the other ranks there).
+        self.before_forward = before_forward
         # Pure-decode steps (the steady state) may run a torch.compile'd forward: inductor fuses
         # the norms, rotary and activation ops around the matmuls and removes most per-op
         # dispatch. Steps with prefill chunks stay eager (their shapes vary too much).
@@ -150,27 +174,15 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sample_items.append(i)
 
-        device = self.device
-        compiled = self._decode_forward is not None and not prefills and not spec_items
-        self.attn.prepare(
-            build_attention_metadata(
-                block_size=self.block_size,
-                decodes=decodes,
-                prefills=prefills,
-                device=device,
-                use_kernel=self.attn.uses_kernel,
-                # The C++ CPU decode reads the block tables; a compiled forward traces torch's.
-                decode_gather=compiled or not self.attn.uses_cpu_kernel,
-            )
+        batch = ForwardBatch(
+            input_ids, positions, decodes, prefills, logits_indices,
+            compiled=self._decode_forward is not None and not prefills and not spec_items,
         )
-        forward = self._decode_forward if compiled else self.model
-        logits = forward(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            self.attn,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-        )  # (N, vocab) float32
+        if self.before_forward is not None:
+            self.before_forward(batch)
+        logits = self.run_forward(batch)  # (N, vocab) float32
 
+        device = self.device
         sampled: list[int | None] = [None] * len(scheduled)
         logprobs: list[object | None] | None = None
         if sample_items:
@@ -213,3 +225,26 @@ class ModelRunner:
                 prompt_logprobs[i] = list(compute_prompt_logprobs(logits[row0 : row0 + count], targets, num_top))
             output.prompt_logprobs = prompt_logprobs
         return output
+
+    @torch.inference_mode()
+    def run_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The forward pass of ``batch`` over the paged KV cache: (N, vocab) fp32 logits."""
+        device = self.device
+        self.attn.prepare(
+            build_attention_metadata(
+                block_size=self.block_size,
+                decodes=batch.decodes,
+                prefills=batch.prefills,
+                device=device,
+                use_kernel=self.attn.uses_kernel,
+                # The C++ CPU decode reads the block tables; a compiled forward traces torch's.
+                decode_gather=batch.compiled or not self.attn.uses_cpu_kernel,
+            )
+        )
+        forward = self._decode_forward if batch.compiled else self.model
+        return forward(
+            torch.tensor(batch.input_ids, dtype=torch.long, device=device),
+            torch.tensor(batch.positions, dtype=torch.long, device=device),
+            self.attn,
+            logits_indices=torch.tensor(batch.logits_indices, dtype=torch.long, device=device),
+        )

@@ -351,10 +351,7 @@ class LlamaModel(nn.Module):
         are wanted (e.g. the last token of each sequence); ``None`` means all T.
         Returns fp32 logits (N or T, vocab_size).
         """
-        cfg = self.config
-        x = F.embedding(input_ids, self.embed_tokens)  # (T, hidden)
-        if cfg.embedding_scale is not None:
-            x = x * cfg.embedding_scale
+        x = self.embed(input_ids)  # (T, hidden)
         cos, sin = self.rotary.lookup(positions)  # (T, 1, head_dim/2) each
         local = None if self.local_rotary is None else self.local_rotary.lookup(positions)
         for layer_idx, layer in enumerate(self.layers):
@@ -364,6 +361,18 @@ class LlamaModel(nn.Module):
                 x = layer(x, cos, sin, attn, layer_idx)
         if logits_indices is not None:
             x = x[logits_indices]  # (N, hidden)
+        return self.compute_logits(x)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """(T,) token ids -> (T, hidden) rows of the embedding table (scaled where the
+        architecture scales them)."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        scale = self.config.embedding_scale
+        return x if scale is None else x * scale
+
+    def compute_logits(self, x: Tensor) -> Tensor:
+        """(N, hidden) final residual rows -> (N, vocab) fp32 logits: norm, LM head, soft-cap."""
+        cfg = self.config
         x = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_eps)
         logits = self.head(x).float()  # (N, vocab)
         if cfg.final_logit_softcap is not None:
