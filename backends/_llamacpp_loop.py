@@ -52,7 +52,7 @@ import llama_cpp
 
 from backends._llamacpp_batch import TokenBatch
 from backends._llamacpp_model import LlamaModel
-from backends._llamacpp_sampling import build_sampler, log_softmax, logits_row
+from backends._llamacpp_sampling import build_sampler, log_softmax, logits_row, mask_logits
 from backends._llamacpp_sequence import Sequence, wants_prompt_logprobs
 from backends._llamacpp_slot import Slot, SlotPool
 from backends._llamacpp_speculation import METHODS, NgramProposer, SpeculationChooser
@@ -316,7 +316,7 @@ class LlamaRunner:
             self._reject(job, BackendError(f"llama.cpp generation failed: {exc}"))
             return
         proposer = None
-        if self._speculation is not None:
+        if self._speculation is not None and job.matcher is None:  # constrained: no drafts
             proposer = NgramProposer(tokens, capacity=self.n_ctx, ngram_size=self._ngram_size)
         slot, num_shared = self._slots.acquire(tokens)
         # The last prompt token is always evaluated again: its logits are sampled from. Echo
@@ -477,7 +477,12 @@ class LlamaRunner:
         logprobs = None
         if seq.want_logprobs:
             logprobs = log_softmax(logits_row(self.ctx, last_row, self.model.n_vocab))
+        matcher = seq.job.matcher
+        if matcher is not None:  # the llguidance mask, written into the row the sampler reads
+            mask_logits(matcher, logits_row(self.ctx, last_row, self.model.n_vocab), self.model.eog_ids)
         token = llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, last_row)
+        if matcher is not None and not matcher.consume_token(token):
+            logger.warning("backend %s: the constraint refused token %d (%s)", self.name, token, matcher.get_error())
         self.num_generated_tokens += 1
         if seq.accept(token, logprobs):
             self._end(seq, seq.final_chunk())

@@ -15,7 +15,7 @@ import numpy as np
 
 from backends.base import SamplingParams, TokenLogprob, TopLogprob
 
-__all__ = ["PromptLogprobs", "build_sampler", "log_softmax", "logits_row", "logprob_entry"]
+__all__ = ["PromptLogprobs", "build_sampler", "log_softmax", "logits_row", "logprob_entry", "mask_logits"]
 
 
 def build_sampler(
@@ -154,3 +154,16 @@ def logits_row(ctx: Any, index: int, n_vocab: int) -> np.ndarray:
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max()
     return shifted - np.log(np.exp(shifted).sum())
+
+
+def mask_logits(matcher: Any, row: np.ndarray, fallback_ids: frozenset[int]) -> None:
+    """Write -inf into ``row`` (a logits view) for every token ``matcher`` forbids now: the
+    same llguidance mask the core engine applies. A matcher that allows nothing (an error
+    state) leaves the end-of-generation tokens."""
+    words = (row.shape[0] + 31) // 32
+    bitmask = np.empty(words, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, words * 4)
+    allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: row.shape[0]].astype(bool)
+    if not allowed.any():
+        allowed[list(fallback_ids)] = True
+    row[~allowed] = -np.inf

@@ -217,6 +217,11 @@ def request_body(request: GenerationRequest, *, model: str) -> tuple[str, bytes]
         body["user"] = request.user
     if request.response_format is not None:
         body["response_format"] = request.response_format
+    structured = request.structured_outputs
+    if structured is not None and structured["param"] != "response_format":
+        # vLLM's extension fields, passed through as the client sent them.
+        value = {k: v for k, v in structured.items() if k != "param"}
+        body[structured["param"]] = value if structured["param"] == "structured_outputs" else next(iter(value.values()))
     # vLLM/SGLang extensions: sent only when used, since OpenAI itself rejects them.
     if params.top_k:
         body["top_k"] = params.top_k

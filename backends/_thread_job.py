@@ -33,6 +33,8 @@ class ThreadJob:
         #: Chunks, then None at the end; an exception instead when generation failed.
         self.queue: asyncio.Queue[GenerationChunk | BaseException | None] = asyncio.Queue()
         self.cancelled = threading.Event()
+        #: The llguidance matcher of a constrained request (structured outputs), or None.
+        self.matcher: Any = None
 
     def send(self, item: GenerationChunk | BaseException | None) -> None:
         """Hand ``item`` to the event loop (thread-safe); a closed loop cancels the job."""

@@ -82,8 +82,12 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     user: str | None = None
     #: Absolute ``time.monotonic()`` deadline, or None.
     deadline: float | None = None
-    #: Structured-output spec (``response_format``), passed through where supported.
+    #: OpenAI's ``response_format`` as sent (json_object / json_schema), for remotes.
     response_format: dict[str, Any] | None = None
+    #: The request's output constraint, normalised (gateway/structured_outputs.py): one of
+    #: ``json`` (a schema), ``json_object``, ``regex``, ``choice``, ``grammar``, and
+    #: ``param``, the request field it came from. Native backends enforce it.
+    structured_outputs: dict[str, Any] | None = None
     #: Incoming W3C trace context to propagate to remote backends.
     traceparent: str | None = None
     #: Free-form labels plugins may attach (routing hints, tenant tags).

@@ -158,7 +158,7 @@ class CoreEngineBackend:
         if self.options.kv_cache_memory_mb < 1:
             raise ValueError(f"backends.{config.name}.options.kv_cache_memory_mb: must be at least 1")
         self._check_tier_options()
-        self.capabilities = Capabilities(logprobs=True, echo=True, structured_outputs=False, max_top_logprobs=20)
+        self.capabilities = Capabilities(logprobs=True, echo=True, structured_outputs=True, max_top_logprobs=20)
         self._llm: Any | None = None  # AsyncLLM
         self._template: ChatTemplate | None = None
         self._bos_text = ""
@@ -407,7 +407,7 @@ class CoreEngineBackend:
         params = request.params
         prompt_param = "messages" if request.kind == "chat" else "prompt"
         prompt_ids, prompt_text = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size)
-        engine_params = self._engine_params(params, request.kind == "completion")
+        engine_params = self._engine_params(params, request.kind == "completion", request.structured_outputs)
         self._counter += 1
         req_id = f"{request.request_id}-{request.choice_index}-{self._counter}"
         want_logprobs = params.logprobs or params.top_logprobs > 0
@@ -416,9 +416,15 @@ class CoreEngineBackend:
         stream = None
         try:
             try:
-                engine_request = llm.engine.make_request(
-                    req_id, prompt_ids, engine_params, labels=request.labels, tenant=request.tenant
-                )
+                if engine_params.structured_outputs is None:
+                    engine_request = llm.engine.make_request(
+                        req_id, prompt_ids, engine_params, labels=request.labels, tenant=request.tenant
+                    )
+                else:  # compiling the constraint may take milliseconds: off the event loop
+                    engine_request = await asyncio.to_thread(
+                        llm.engine.make_request, req_id, prompt_ids, engine_params,
+                        labels=request.labels, tenant=request.tenant,
+                    )
             except RequestTooLongError as exc:
                 raise ContextLengthExceededError(
                     exc.message, param=prompt_param if exc.param == "prompt" else exc.param
@@ -502,13 +508,21 @@ class CoreEngineBackend:
         return ids, text
 
     @staticmethod
-    def _engine_params(params: WireParams, is_completion: bool) -> Any:
+    def _engine_params(params: WireParams, is_completion: bool, structured: dict[str, Any] | None = None) -> Any:
         from core_engine.errors import InvalidParamError
         from core_engine.sampling_params import SamplingParams
+        from core_engine.structured import StructuredOutput
 
         want_logprobs = params.logprobs or params.top_logprobs > 0
         try:
+            constraint = None
+            if structured is not None:
+                fields = {k: v for k, v in structured.items() if k != "param"}
+                if "choice" in fields:
+                    fields["choice"] = tuple(fields["choice"])
+                constraint = StructuredOutput(**fields, param=structured["param"])
             return SamplingParams(
+                structured_outputs=constraint,
                 max_tokens=params.max_tokens,
                 temperature=params.temperature,
                 top_p=params.top_p,

@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -49,7 +49,7 @@ from backends.base import (
     HealthStatus,
     ModelInfo,
 )
-from backends.errors import BackendConfigError, BackendUnavailableError
+from backends.errors import BackendConfigError, BackendUnavailableError, InvalidRequestError
 from core_engine.policy import EnginePolicies, SpeculationMethod
 
 if TYPE_CHECKING:
@@ -134,9 +134,11 @@ class LlamaCppBackend:
         if self.options.speculation is not None:
             _check_speculation(self.options.speculation, f"{prefix}.speculation")
         self.capabilities = Capabilities(
-            logprobs=True, echo=True, structured_outputs=False, max_top_logprobs=20
+            logprobs=True, echo=True, structured_outputs=True, max_top_logprobs=20
         )
         self._runner: LlamaRunner | None = None
+        #: Structured-output constraints over llama.cpp's vocabulary (built on first use).
+        self._grammars: Any = None
         self._model_path: Path | None = None
         self._policies = EnginePolicies()
 
@@ -303,9 +305,35 @@ class LlamaCppBackend:
         if runner is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         job = ThreadJob(request, asyncio.get_running_loop())
+        if request.structured_outputs is not None:
+            # Compiled here, off the batch loop's thread (cached by constraint).
+            job.matcher = await asyncio.to_thread(self._compile, runner, request.structured_outputs)
         runner.submit(job)
         async for chunk in drain(job):
             yield chunk
+
+    def _compile(self, runner: LlamaRunner, structured: dict[str, Any]) -> Any:
+        """An llguidance matcher for the request's constraint (the core engine's compiler,
+        over llama.cpp's own vocabulary); ``InvalidRequestError`` naming the field."""
+        from core_engine.errors import InvalidParamError
+        from core_engine.structured import GrammarCompiler, StructuredOutput
+
+        if self._grammars is None:
+            model = runner.model
+
+            def make_tokenizer() -> Any:
+                from llguidance.llamacpp import lltokenizer_from_vocab
+
+                return lltokenizer_from_vocab(model.vocab, n_vocab=model.n_vocab, eos_token=sorted(model.eog_ids))
+
+            self._grammars = GrammarCompiler(make_tokenizer)
+        fields = {k: v for k, v in structured.items() if k != "param"}
+        if "choice" in fields:
+            fields["choice"] = tuple(fields["choice"])
+        try:
+            return self._grammars.compile(StructuredOutput(**fields, param=structured["param"]))
+        except InvalidParamError as exc:
+            raise InvalidRequestError(exc.message, param=exc.param) from exc
 
 
 def _check_speculation(speculation: LlamaCppSpeculation, prefix: str) -> None:

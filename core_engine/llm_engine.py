@@ -231,6 +231,13 @@ class LLMEngine:
             before_forward=None if tensor_parallel is None else tensor_parallel.send_step,
         )
         self.eos_token_ids = frozenset(tokenizer.stop_token_ids)
+        self.model_runner.eos_token_ids = tuple(sorted(self.eos_token_ids))
+        from core_engine.structured.compiler import GrammarCompiler, llguidance_tokenizer
+
+        #: Compiles structured-output constraints (llguidance is loaded on the first one).
+        self.grammars = GrammarCompiler(
+            lambda: llguidance_tokenizer(tokenizer, model_config.vocab_size, sorted(self.eos_token_ids))
+        )
         self._states: dict[str, _OutputState] = {}
         self.policies = policies or EnginePolicies()
         self.speculator = self._build_speculator(config, num_blocks, block_bytes, dtype, draft_model)
@@ -441,6 +448,8 @@ class LLMEngine:
             req_id, prompt_ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time, labels=labels, tenant=tenant,
         )
+        if params.structured_outputs is not None:
+            request.matcher = self.grammars.compile(params.structured_outputs)
         if params.seed is not None and params.temperature > 0.0:
             request.generator = torch.Generator(device=self.model_runner.device).manual_seed(params.seed)
         return request

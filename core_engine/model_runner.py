@@ -84,6 +84,11 @@ class ModelRunner:
         #: Called with each step's batch before its forward pass (a tensor-parallel engine's
         #: rank 0 sends it to the other ranks there).
         self.before_forward = before_forward
+        from core_engine.structured.masks import TokenMasks
+
+        self.token_masks = TokenMasks(self.vocab_size)
+        #: Where a constrained row with nothing allowed goes (set by the engine: its EOS ids).
+        self.eos_token_ids: tuple[int, ...] = ()
         # Pure-decode steps (the steady state) may run a torch.compile'd forward: inductor fuses
         # the norms, rotary and activation ops around the matmuls and removes most per-op
         # dispatch. Steps with prefill chunks stay eager (their shapes vary too much).
@@ -174,6 +179,11 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sample_items.append(i)
 
+        sample_reqs = [scheduled[i].request for i in sample_items]
+        # Constrained rows' masks are computed on llguidance's threads while the model runs.
+        masks = self.token_masks.start([r.matcher for r in sample_reqs]) if any(
+            r.matcher is not None for r in sample_reqs
+        ) else None
         batch = ForwardBatch(
             input_ids, positions, decodes, prefills, logits_indices,
             compiled=self._decode_forward is not None and not prefills and not spec_items,
@@ -187,9 +197,16 @@ class ModelRunner:
         logprobs: list[object | None] | None = None
         if sample_items:
             rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            sample_reqs = [scheduled[i].request for i in sample_items]
             metadata = SamplingMetadata.from_requests(sample_reqs, self.vocab_size, device)
+            if masks is not None:
+                metadata.token_bitmask = masks.result()
+                metadata.fallback_token_ids = self.eos_token_ids
             out = self.sampler(rows, metadata)
+            if masks is not None:
+                for request, token in zip(sample_reqs, out.sampled_token_ids, strict=True):
+                    if request.matcher is not None and not request.matcher.consume_token(token):
+                        logger.warning("request %s: the constraint refused token %d (%s)", request.req_id,
+                                       token, request.matcher.get_error())
             if out.logprobs is not None:
                 logprobs = [None] * len(scheduled)
             for j, i in enumerate(sample_items):

@@ -83,6 +83,8 @@ class Request:
         self.stop_reason: int | str | None = None
         #: Per-request ``torch.Generator`` for seeded sampling (set by the engine).
         self.generator: Any = None
+        #: The llguidance matcher of a constrained request (``SamplingParams.structured_outputs``).
+        self.matcher: Any = None
         #: Chained hashes of the full blocks of ``all_token_ids`` (the prefix cache's keys).
         self.block_hashes: list[bytes] = []
         #: KV tiers: cached prompt tokens by the tier they came from ("device", "host",

@@ -1,6 +1,7 @@
 """Per-request sampling for a whole batch in a few tensor ops.
 
-Order of operations per row: raw logprobs (for ``logprobs``) -> penalties (repetition over
+Order of operations per row: raw logprobs (for ``logprobs``) -> the structured-output mask
+of constrained rows (forbidden tokens at -inf) -> penalties (repetition over
 prompt + output, presence/frequency over output) -> greedy rows take the argmax; the others are
 divided by their temperature, cut by top-k, top-p and min-p, and drawn with ``multinomial``.
 Seeded rows draw with their request's own ``torch.Generator``, so a seed reproduces the same
@@ -55,6 +56,11 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     #: Per row: how many top alternatives to return (None: no logprobs for this row).
     num_logprobs: list[int | None]
+    #: (B, ceil(V / 32)) int32 allowed-token bits of constrained rows (all ones elsewhere);
+    #: None when no row is constrained (:mod:`core_engine.structured.masks`).
+    token_bitmask: Tensor | None = None
+    #: Tokens a constrained row falls back to when its mask allows none (end of sequence).
+    fallback_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -190,6 +196,10 @@ class Sampler:
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits: (B, V) float32, one row per sampling request, in metadata order."""
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        if md.token_bitmask is not None:
+            from core_engine.structured.masks import apply_token_bitmask
+
+            logits = apply_token_bitmask(logits, md.token_bitmask, md.fallback_token_ids)
         if md.presence is not None:
             logits = apply_penalties(logits, md)
         if md.all_greedy:

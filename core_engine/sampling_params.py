@@ -7,6 +7,7 @@ import math
 import msgspec
 
 from core_engine.errors import InvalidParamError
+from core_engine.structured.spec import StructuredOutput
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams"]
 
@@ -49,6 +50,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    #: Constrain the output to a JSON schema, regex, choice or grammar
+    #: (:mod:`core_engine.structured`); None: unconstrained.
+    structured_outputs: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

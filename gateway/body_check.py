@@ -24,16 +24,13 @@ from gateway.request_conversion import check_smuggled_fields
 
 __all__ = ["GUIDED_DECODING_FIELDS", "check_raw_body"]
 
-#: vLLM / SGLang structured-output extensions; infermux speaks ``response_format``.
+#: Structured-output fields of other servers that infermux does not take (it takes
+#: ``response_format`` and vLLM's ``guided_*`` / ``structured_outputs``, see
+#: gateway/structured_outputs.py): a 400 rather than a constraint silently dropped.
 GUIDED_DECODING_FIELDS = frozenset(
     {
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
         "guided_whitespace_pattern",
         "guided_decoding_backend",
-        "structured_outputs",
         "regex",
         "ebnf",
         "json_schema",
@@ -81,6 +78,7 @@ def check_raw_body(raw: bytes) -> None:
             if body[field] is not None:
                 raise UnsupportedParameterError(
                     f"'{field}' is not supported; constrain the output with response_format "
-                    "(json_object or json_schema) instead",
+                    "(json_object or json_schema) or guided_json / guided_regex / guided_choice / "
+                    "guided_grammar instead",
                     param=field,
                 )

@@ -43,8 +43,9 @@ def unsupported_parameter(
         refused = ("frequency_penalty", "frequency_penalty")
     elif params.repetition_penalty != 1.0 and not capabilities.repetition_penalty:
         refused = ("repetition_penalty", "repetition_penalty")
-    elif request.response_format is not None and not capabilities.structured_outputs:
-        refused = ("response_format", "structured outputs (response_format)")
+    elif request.structured_outputs is not None and not capabilities.structured_outputs:
+        field = request.structured_outputs["param"]
+        refused = (field, f"structured outputs ({field})")
     if refused is None:
         return None
     param, what = refused

@@ -18,6 +18,7 @@ from backends.errors import InvalidRequestError, UnsupportedParameterError
 from gateway.config import LimitsConfig
 from gateway.response_format import checked_response_format
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.structured_outputs import structured_outputs_of
 
 __all__ = [
     "SMUGGLING_FIELDS",
@@ -125,6 +126,7 @@ def chat_generation_requests(
     )
     n = _choice_count(body.n, 1, limits)
     _check_stream_options(body.stream, body.stream_options is not None)
+    response_format = checked_response_format(body.response_format, limits)
     template = GenerationRequest(
         request_id=request_id,
         model=body.model,
@@ -133,7 +135,8 @@ def chat_generation_requests(
         params=params,
         stream=bool(body.stream),
         user=body.user,
-        response_format=checked_response_format(body.response_format, limits),
+        response_format=response_format,
+        structured_outputs=structured_outputs_of(body, response_format, limits),
         traceparent=context.traceparent,
         labels=dict(context.labels),
     )
@@ -170,6 +173,7 @@ def completion_generation_requests(
     )
     n = _choice_count(body.n, len(prompts), limits)
     _check_stream_options(body.stream, body.stream_options is not None)
+    structured = structured_outputs_of(body, None, limits)
     templates = [
         GenerationRequest(
             request_id=request_id,
@@ -179,6 +183,7 @@ def completion_generation_requests(
             params=params,
             stream=bool(body.stream),
             user=body.user,
+            structured_outputs=structured,
             traceparent=context.traceparent,
             labels=dict(context.labels),
         )

@@ -98,7 +98,7 @@ class MLXBackend:
         self.capabilities = Capabilities(
             logprobs=True,
             echo=False,
-            structured_outputs=False,
+            structured_outputs=True,
             max_top_logprobs=_MAX_TOP_LOGPROBS,
         )
         self._executor: ThreadPoolExecutor | None = None
@@ -288,13 +288,6 @@ class MLXBackend:
             raise UnsupportedParameterError(
                 f"top_logprobs above {_MAX_TOP_LOGPROBS} is not supported by backend {self.name!r}",
                 param="top_logprobs",
-            )
-        response_format = request.response_format
-        if response_format is not None and response_format.get("type", "text") != "text":
-            raise UnsupportedParameterError(
-                "structured outputs (response_format) are not supported by backends of kind "
-                f"'mlx' (backend {self.name!r})",
-                param="response_format",
             )
 
 

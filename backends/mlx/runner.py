@@ -73,6 +73,8 @@ class MLXRunner:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        #: Structured-output constraints over this vocabulary (built on first use).
+        self._grammars: Any = None
         self.n_ctx = n_ctx
         self.n_vocab: int = int(model.args.vocab_size)
         self._prefill_step_size = prefill_step_size
@@ -147,6 +149,35 @@ class MLXRunner:
 
     # -- generation -----------------------------------------------------------------------
 
+    def _compile(self, structured: dict[str, Any]) -> Any:
+        """The llguidance matcher of a request's constraint (the core engine's compiler over
+        this tokenizer's vocabulary); ``InvalidRequestError`` naming the field."""
+        from core_engine.errors import InvalidParamError
+        from core_engine.structured import GrammarCompiler, StructuredOutput
+
+        if self._grammars is None:
+            tokenizer, n_vocab = self.tokenizer, self.n_vocab
+
+            def make_tokenizer() -> Any:
+                eos = sorted(t for t in tokenizer.eos_token_ids if t < n_vocab)
+                core = getattr(tokenizer, "core", None)
+                if core is not None:  # GGUF: the core engine's tokenizer
+                    from core_engine.structured.compiler import llguidance_tokenizer
+
+                    return llguidance_tokenizer(core, n_vocab, eos)
+                from llguidance.hf import from_tokenizer
+
+                return from_tokenizer(tokenizer.hf, n_vocab=n_vocab, eos_token=eos)
+
+            self._grammars = GrammarCompiler(make_tokenizer)
+        fields = {k: v for k, v in structured.items() if k != "param"}
+        if "choice" in fields:
+            fields["choice"] = tuple(fields["choice"])
+        try:
+            return self._grammars.compile(StructuredOutput(**fields, param=structured["param"]))
+        except InvalidParamError as exc:
+            raise InvalidRequestError(exc.message, param=exc.param) from exc
+
     def run(
         self,
         request: GenerationRequest,
@@ -166,6 +197,7 @@ class MLXRunner:
     ) -> None:
         params = request.params
         tokens = self.prompt_tokens(request)
+        matcher = None if request.structured_outputs is None else self._compile(request.structured_outputs)
         if not tokens:
             if self.tokenizer.bos_token_id is None:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -189,6 +221,9 @@ class MLXRunner:
             vocab_size=self.n_vocab,
             banned_ids=[t for t in banned if t < self.n_vocab],
         )
+        if matcher is not None:
+            eos = [t for t in self.tokenizer.eos_token_ids if t < self.n_vocab]
+            processors.append(sampling.ConstraintProcessor(matcher, len(suffix), eos))
 
         def on_prefill_progress(done: int, total: int) -> None:
             if is_cancelled():

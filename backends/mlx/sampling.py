@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from backends.base import SamplingParams
 
-__all__ = ["LogitsProcessor", "logits_processors", "sampler"]
+__all__ = ["ConstraintProcessor", "LogitsProcessor", "logits_processors", "sampler"]
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -107,3 +107,31 @@ class _OutputPenalty:
         counts = self._counts[: logits.shape[-1]]
         penalty = self._frequency * counts + self._presence * (counts > 0)  # (vocab,)
         return logits - penalty[None, :].astype(logits.dtype)
+
+
+class ConstraintProcessor:
+    """A structured-output constraint as a logits processor: the llguidance matcher takes
+    the tokens sampled since its last call, then its mask sets every forbidden logit to -inf
+    (the core engine's and llama.cpp's masks, from the same compiler)."""
+
+    def __init__(self, matcher: object, num_fed_prompt: int, fallback_ids: Collection[int]) -> None:
+        self._matcher = matcher
+        self._num_fed_prompt = num_fed_prompt
+        self._num_consumed = 0
+        self._fallback = sorted(fallback_ids)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        import numpy as np
+
+        output: list[int] = tokens[self._num_fed_prompt :].tolist()  # type: ignore[assignment]
+        for token in output[self._num_consumed :]:
+            self._matcher.consume_token(token)  # type: ignore[attr-defined]
+        self._num_consumed = len(output)
+        vocab = logits.shape[-1]
+        words = (vocab + 31) // 32
+        bitmask = np.empty(words, dtype=np.int32)
+        self._matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, words * 4)  # type: ignore[attr-defined]
+        allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+        if not allowed.any():
+            allowed[self._fallback] = True
+        return mx.where(mx.array(allowed)[None, :], logits, mx.array(-float("inf"), dtype=logits.dtype))

@@ -77,6 +77,8 @@ class Speculator:
             request.spec_draft_probs = None
             if request.num_computed_tokens != request.num_tokens - 1 or not request.output_token_ids:
                 continue  # still reading its prompt
+            if request.matcher is not None:
+                continue  # constrained: proposals would need a mask per position
             room = min(request.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens - 1)
             if room < 1:
                 continue

@@ -84,6 +84,12 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False)
     response_format: dict[str, Any] | None = None
     #: vLLM extension: keep generating past the end-of-sequence token (benchmarks).
     ignore_eos: bool | None = None
+    #: vLLM's structured-output extensions (see gateway/structured_outputs.py).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     #: Not served (no backend declares tools yet); a non-empty list is a 400.
     tools: list[dict[str, Any]] | None = None
 

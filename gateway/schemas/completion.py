@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -57,6 +57,12 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    #: vLLM's structured-output extensions (see gateway/structured_outputs.py).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     #: Not served; a non-null value is a 400 rather than silently dropped.
     suffix: str | None = None
     best_of: int | None = None

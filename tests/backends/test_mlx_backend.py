@@ -6,6 +6,7 @@ MLX's Linux CPU build is slow (about 10 tokens/s here), so outputs are kept shor
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -23,6 +24,7 @@ from backends.errors import (
     BackendUnavailableError,
     ContextLengthExceededError,
     GenerationAbortedError,
+    InvalidRequestError,
     UnsupportedParameterError,
 )
 from backends.mlx import create_backend
@@ -256,16 +258,6 @@ async def test_closing_the_backend_aborts_running_and_queued_streams() -> None:
     ("request_", "param"),
     [
         (_completion("Hi", max_tokens=2, echo=True), "echo"),
-        (
-            GenerationRequest(
-                request_id="r",
-                model="smollm2",
-                kind="chat",
-                messages=(ChatMessage(role="user", content="JSON please"),),
-                response_format={"type": "json_object"},
-            ),
-            "response_format",
-        ),
     ],
 )
 async def test_unsupported_parameter_is_a_400_before_any_work(
@@ -281,6 +273,36 @@ async def test_unsupported_parameter_is_a_400_before_any_work(
     assert backend.num_generated_tokens == before
 
 
+async def test_structured_outputs_constrain_mlx_with_the_same_masks(backend: MLXBackend) -> None:
+    import json
+
+    import jsonschema
+
+    from tests.core_engine.structured_schemas import SCHEMAS
+
+    finished = 0
+    for i, (_name, what, schema) in enumerate(SCHEMAS[:8]):
+        request = msgspec.structs.replace(
+            _chat(f"Reply with {what} as JSON.", max_tokens=96, temperature=0.7, seed=i),
+            structured_outputs={"json": schema, "param": "response_format"},
+        )
+        chunks = await _collect(backend, request)
+        if chunks[-1].finish_reason == "length":
+            continue
+        finished += 1
+        jsonschema.validate(json.loads(_text(chunks)), schema)
+    assert finished >= 6, finished
+    regex = msgspec.structs.replace(
+        _completion("Code:", max_tokens=12, temperature=1.0, seed=3),
+        structured_outputs={"regex": "[A-Z]{2}[0-9]{3}", "param": "guided_regex"},
+    )
+    assert re.fullmatch("[A-Z]{2}[0-9]{3}", _text(await _collect(backend, regex)))
+    bad = msgspec.structs.replace(_chat("x", max_tokens=2), structured_outputs={"regex": "(", "param": "guided_regex"})
+    with pytest.raises(InvalidRequestError) as caught:
+        await _collect(backend, bad)
+    assert caught.value.param == "guided_regex"
+
+
 async def test_prompt_plus_max_tokens_beyond_the_context_is_rejected(backend: MLXBackend) -> None:
     with pytest.raises(ContextLengthExceededError) as caught:
         await anext(backend.generate(_chat("Hi", max_tokens=4000)))
@@ -290,7 +312,7 @@ async def test_prompt_plus_max_tokens_beyond_the_context_is_rejected(backend: ML
 async def test_capabilities_are_declared() -> None:
     mlx = create_backend(BackendConfig(name="m", kind="mlx"))
     assert mlx.capabilities.logprobs and mlx.capabilities.seed and mlx.capabilities.penalties
-    assert not mlx.capabilities.echo and not mlx.capabilities.structured_outputs
+    assert not mlx.capabilities.echo and mlx.capabilities.structured_outputs
     with pytest.raises(BackendUnavailableError):  # not started: nothing to serve with
         await anext(mlx.generate(_chat("Hi", max_tokens=1)))
 

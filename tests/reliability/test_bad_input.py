@@ -521,12 +521,48 @@ def test_plain_text_response_format_is_accepted(http: httpx.Client) -> None:
     assert chat(http, response_format={"type": "text"}).status_code == 200
 
 
-@pytest.mark.parametrize(
-    "field", ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex", "ebnf"]
-)
-def test_guided_decoding_extensions_are_refused_not_ignored(http: httpx.Client, field: str) -> None:
+@pytest.mark.parametrize("field", ["regex", "ebnf", "json_schema", "guided_decoding_backend"])
+def test_other_servers_constraint_fields_are_refused_not_ignored(http: httpx.Client, field: str) -> None:
     error = envelope(chat(http, **{field: "(a+)+$"}), 400)
     assert (error["code"], error["param"]) == ("unsupported_parameter", field)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "(a+)+$"),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", 'start: "a"+'),
+        ("structured_outputs", {"regex": "[0-9]+"}),
+    ],
+)
+def test_vllm_constraint_fields_on_a_backend_without_structured_outputs_are_400_naming_them(
+    http: httpx.Client, field: str, value: Any
+) -> None:
+    error = envelope(chat(http, **{field: value}), 400)
+    assert (error["code"], error["param"]) == ("unsupported_parameter", field)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": "yes"}, "guided_choice"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"guided_json": 5}, "guided_json"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"lark": "x"}}, "structured_outputs.lark"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"guided_json": {"a": [[[[[[[[[[1]]]]]]]]]]}}, "guided_json"),
+    ],
+)
+def test_malformed_or_doubled_constraints_are_400_naming_the_field(
+    http: httpx.Client, fields: dict[str, Any], param: str
+) -> None:
+    error = envelope(chat(http, **fields), 400)
+    assert error["param"] == param
 
 
 # -- smuggling ----------------------------------------------------------------------------
