@@ -35,6 +35,8 @@ class KVHandoff:
         self.num_exported_blocks = 0
         self.num_written_blocks = 0
         self.num_reused_blocks = 0
+        #: Imports the pool or the batch could not take at once (the request waited).
+        self.num_deferred = 0
 
     def export(self, request: Request) -> PrefilledKV:
         """The prompt's blocks and first token of ``request`` (which still holds its blocks)."""
