@@ -26,7 +26,12 @@ from pathlib import Path
 import msgspec
 
 from core_engine.kv_transfer.payload import KVTransferMeta, PrefilledKV
-from core_engine.kv_transfer.transport import KVTransferConfig, KVTransferError, KVTransferTimeout, stall_mid_send
+from core_engine.kv_transfer.transport import (
+    KVTransferConfig,
+    KVTransferError,
+    KVTransferTimeout,
+    stall_mid_send,
+)
 
 __all__ = ["ShmKVReceiver", "ShmKVSender", "segment_name", "unlink_orphans"]
 

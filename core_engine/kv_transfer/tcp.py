@@ -6,7 +6,9 @@ delivers a multipart message whole or not at all, so a sender killed mid-transfe
 nothing behind on the receiver: the receive waiting for it times out
 (:class:`~core_engine.kv_transfer.transport.KVTransferTimeout`). A reader thread takes
 messages off the socket as they arrive and keeps each until its receive claims it or
-``ttl_s`` passes.
+``ttl_s`` passes. The sender queues only to a connected receiver and only a few transfers
+deep: a decode engine that is down or not keeping up fails the send within ``timeout_s``
+(at most 5 s) instead of piling prompts' KV up in the prefill process.
 """
 
 from __future__ import annotations
@@ -18,13 +20,21 @@ import msgspec
 import zmq
 
 from core_engine.kv_transfer.payload import KVTransferMeta, PrefilledKV
-from core_engine.kv_transfer.transport import KVTransferConfig, KVTransferError, KVTransferTimeout, stall_mid_send
+from core_engine.kv_transfer.transport import (
+    KVTransferConfig,
+    KVTransferError,
+    KVTransferTimeout,
+    stall_mid_send,
+)
 
 __all__ = ["TcpKVReceiver", "TcpKVSender"]
 
 _POLL_MS = 50
 # Queued transfers still sent after close (ms); beyond it they are dropped, as a crash would.
-_LINGER_MS = 5000
+_LINGER_MS = 1000
+# Transfers queued in the prefill process at most (each is a prompt's whole KV).
+_SEND_QUEUE = 8
+_MAX_SEND_WAIT_S = 5.0
 
 
 class TcpKVSender:
@@ -36,6 +46,9 @@ class TcpKVSender:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._socket.setsockopt(zmq.SNDHWM, _SEND_QUEUE)
+        self._socket.setsockopt(zmq.SNDTIMEO, int(1000 * min(config.timeout_s, _MAX_SEND_WAIT_S)))
         self._socket.connect(config.address)
         self._lock = threading.Lock()
 
@@ -50,6 +63,10 @@ class TcpKVSender:
                     self._socket.send_multipart(frames[2:], copy=False)
                 else:
                     self._socket.send_multipart(frames, copy=False)
+            except zmq.Again as exc:
+                raise KVTransferError(
+                    f"KV transfer {transfer_id!r}: the decode engine at {self.config.address} is not taking transfers"
+                ) from exc
             except zmq.ZMQError as exc:
                 raise KVTransferError(f"KV transfer {transfer_id!r}: {exc}") from exc
 
