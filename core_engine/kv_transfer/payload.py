@@ -77,7 +77,7 @@ class PrefilledKV:
     def buffers(self) -> list[memoryview]:
         """The bytes to send, data then scales (views of host tensors: no copy on CPU)."""
         parts = [self.data, *(() if self.scales is None else (self.scales,))]
-        return [memoryview(_raw(p.contiguous().cpu()).view(-1).view(torch.uint8).numpy()) for p in parts]
+        return [_raw(p.contiguous().cpu()).view(-1).view(torch.uint8).numpy().data for p in parts]
 
     @classmethod
     def from_buffer(cls, meta: KVTransferMeta, payload: bytes | bytearray | memoryview) -> PrefilledKV:

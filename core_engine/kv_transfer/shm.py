@@ -62,6 +62,12 @@ def _open(name: str, *, size: int = 0) -> shared_memory.SharedMemory:
     return segment
 
 
+def _buf(segment: shared_memory.SharedMemory) -> memoryview:
+    buf = segment.buf
+    assert buf is not None, "an open segment has its buffer"
+    return buf
+
+
 def _unlink(name: str) -> None:
     # Not SharedMemory.unlink(): it would also unregister the (untracked) name.
     try:
@@ -93,7 +99,7 @@ def unlink_orphans() -> list[str]:
         try:
             if segment.size < _HEADER.size:
                 continue
-            magic, _, pid, *_ = _HEADER.unpack_from(segment.buf, 0)
+            magic, _, pid, *_ = _HEADER.unpack_from(_buf(segment), 0)
         finally:
             segment.close()
         if magic == _MAGIC and not _pid_alive(pid):
@@ -124,7 +130,7 @@ class ShmKVSender:
         except OSError as exc:
             raise KVTransferError(f"cannot create shared memory for the KV transfer: {exc}") from exc
         try:
-            buf = segment.buf
+            buf = _buf(segment)
             _HEADER.pack_into(buf, 0, _MAGIC, _WRITING, os.getpid(), len(meta), payload_len, time.time())
             offset = _HEADER.size
             buf[offset : offset + len(meta)] = meta
@@ -190,7 +196,8 @@ class ShmKVReceiver:
         try:
             if segment.size < _HEADER.size:
                 return None  # created, header not written yet
-            magic, state, pid, meta_len, payload_len, _ = _HEADER.unpack_from(segment.buf, 0)
+            buf = _buf(segment)
+            magic, state, pid, meta_len, payload_len, _ = _HEADER.unpack_from(buf, 0)
             if magic != _MAGIC:
                 raise KVTransferError(f"KV transfer {transfer_id!r}: not a transfer segment")
             if state != _COMPLETE:
@@ -198,8 +205,8 @@ class ShmKVReceiver:
                     return None
                 raise KVTransferError(f"KV transfer {transfer_id!r}: the sender (pid {pid}) died mid-transfer")
             start = _HEADER.size
-            meta_bytes = bytes(segment.buf[start : start + meta_len])
-            payload = bytearray(segment.buf[start + meta_len : start + meta_len + payload_len])
+            meta_bytes = bytes(buf[start : start + meta_len])
+            payload = bytearray(buf[start + meta_len : start + meta_len + payload_len])
         except KVTransferError:
             segment.close()
             _unlink(name)

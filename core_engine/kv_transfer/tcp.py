@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import msgspec
 import zmq
@@ -53,7 +54,7 @@ class TcpKVSender:
         self._lock = threading.Lock()
 
     def send(self, transfer_id: str, kv: PrefilledKV) -> None:
-        frames = [transfer_id.encode(), msgspec.msgpack.encode(kv.meta), *kv.buffers()]
+        frames: list[Any] = [transfer_id.encode(), msgspec.msgpack.encode(kv.meta), *kv.buffers()]
         with self._lock:
             try:
                 stall = stall_mid_send()
