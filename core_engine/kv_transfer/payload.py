@@ -81,8 +81,9 @@ class PrefilledKV:
 
     @classmethod
     def from_buffer(cls, meta: KVTransferMeta, payload: bytes | bytearray | memoryview) -> PrefilledKV:
-        """The blocks of ``payload`` (what :meth:`buffers` sent), copied out of it;
-        ``ValueError`` when the bytes do not match the metadata."""
+        """The blocks of ``payload`` (what :meth:`buffers` sent): views of a ``bytearray``
+        (which the caller hands over), copies of anything else; ``ValueError`` when the bytes
+        do not match the metadata."""
         expected = meta.data_nbytes + meta.scales_nbytes
         if len(payload) != expected:
             raise ValueError(f"KV transfer payload has {len(payload)} bytes, its metadata says {expected}")
@@ -90,7 +91,8 @@ class PrefilledKV:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"KV transfer: unknown storage dtype {meta.dtype!r}")
         block_shape, scale_shape = meta.block_shape, meta.scale_shape
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
+        owned = payload if isinstance(payload, bytearray) else bytearray(payload)  # a buffer the tensors may keep
+        raw = torch.frombuffer(owned, dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
         data = raw[: meta.data_nbytes].view(_raw(torch.empty(0, dtype=dtype)).dtype)
         if data.dtype != dtype:
             data = data.view(dtype)
