@@ -9,10 +9,12 @@ labelled with the same id (:data:`~backends.core_engine.KV_DECODE_LABEL`), which
 KV, reuses the prompt blocks its prefix cache already holds, and streams the whole output
 (first token included). Nothing of the KV passes through this backend.
 
-Failures before the decode streams its first chunk lose nothing: a prefill that fails (its
-worker killed mid-transfer, say) or a transfer that never arrives whole is tried again with a
-new id, up to ``max_attempts`` times; after that the decode engine serves the request whole
-(``fallback_to_decode``). Once output has been streamed, an error is the client's, as with
+Failures before the decode streams its first chunk lose nothing: a prefill that fails or a
+transfer that never arrives whole is tried again with a new id, up to ``max_attempts`` times;
+after that, or at once when the prefill backend is not healthy after a failure (its worker
+was killed mid-transfer and is restarting), the decode engine serves the request whole
+(``fallback_to_decode``): waiting for a restarting worker would cost the request tens of
+seconds. Once output has been streamed, an error is the client's, as with
 any backend. Logprobs and echo are not offered: the first token is sampled where its
 logprobs are not kept.
 """
@@ -152,6 +154,8 @@ class DisaggregatedBackend:
                     raise
                 logger.warning("backend %s: prefill attempt %d failed: %s", self.name, attempt + 1, exc.message)
                 last_error = exc
+                if not (await prefill.health()).ok:
+                    break  # its worker is restarting: the decode engine serves this one now
                 continue
             labels = {**request.labels, KV_DECODE_LABEL: transfer_id}
             stream = decode.generate(msgspec.structs.replace(request, labels=labels))
@@ -174,8 +178,8 @@ class DisaggregatedBackend:
             assert last_error is not None
             raise last_error
         self.num_fallbacks += 1
-        logger.warning("backend %s: %d attempts failed; the decode engine serves the request whole",
-                       self.name, o.max_attempts)
+        logger.warning("backend %s: the prefill failed (%s); the decode engine serves the request whole",
+                       self.name, last_error.message if last_error is not None else "")
         stream = decode.generate(request)
         try:
             async for chunk in stream:
