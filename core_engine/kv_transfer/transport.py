@@ -5,7 +5,8 @@ both sides (the ``disaggregated`` backend passes it along with the request): the
 ``send``\\ s the prefilled KV under that id, the decode side ``receive``\\ s it by the same id.
 Nothing else crosses between the two: a transport owns its framing, its buffers and their
 clean-up. A receive either returns the whole transfer or raises; a transfer that was never
-received is dropped by the transport after ``ttl_s`` (no buffer outlives that).
+received is dropped once ``ttl_s`` has passed (tcp: by the receiver's reader thread; shm: by
+the sender at its next send, or when it closes).
 
 ::
 
