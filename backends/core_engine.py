@@ -468,7 +468,7 @@ class CoreEngineBackend:
 
     async def _prefill_only(self, request: GenerationRequest, transfer_id: str) -> AsyncIterator[GenerationChunk]:
         """Prefill, send the prompt's KV under ``transfer_id``, answer the first token."""
-        from core_engine.errors import EngineDeadError, InvalidParamError
+        from core_engine.errors import EngineDeadError, InvalidParamError, RequestTooLongError
         from core_engine.kv_transfer import KVTransferError
 
         llm = self._llm
@@ -483,6 +483,8 @@ class CoreEngineBackend:
             engine_request = llm.engine.make_prefill_request(
                 req_id, prompt_ids, params, labels=request.labels, tenant=request.tenant
             )
+        except RequestTooLongError as exc:
+            raise ContextLengthExceededError(exc.message, param=exc.param) from exc
         except InvalidParamError as exc:
             raise InvalidRequestError(exc.message, param=exc.param) from exc
         last = None
