@@ -1,13 +1,24 @@
-"""Disaggregated prefill / decode at the engine level: a prefill engine's exported KV, sent as
-bytes and imported by a decode engine, gives the colocated engine's greedy tokens."""
+"""Disaggregated prefill / decode at the engine level: a prefill engine's exported KV, sent
+through the shared-memory transport (or as msgpack + bytes) and imported by a decode engine,
+gives the colocated engine's greedy tokens."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import msgspec
 import pytest
 
 from backends.default_model import default_model_path
-from core_engine.kv_transfer import KVTransferMeta, PrefilledKV
+from core_engine.kv_transfer import (
+    KVReceiver,
+    KVSender,
+    KVTransferConfig,
+    KVTransferMeta,
+    PrefilledKV,
+    open_receiver,
+    open_sender,
+)
 from core_engine.llm_engine import LLMEngine
 from core_engine.sampling_params import SamplingParams
 from tests.core_engine.engine_util import collect, engine_like, make_engine, run_all
@@ -41,7 +52,18 @@ def _over_the_wire(kv: PrefilledKV) -> PrefilledKV:
     return PrefilledKV.from_buffer(meta, b"".join(bytes(b) for b in kv.buffers()))
 
 
-def test_disaggregated_tokens_match_colocated_and_no_block_leaks(colocated: LLMEngine) -> None:
+@pytest.fixture()
+def shm() -> Iterator[tuple[KVSender, KVReceiver]]:
+    config = KVTransferConfig(transport="shm", timeout_s=5.0)
+    receiver, sender = open_receiver(config), open_sender(config)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def test_disaggregated_tokens_match_colocated_and_no_block_leaks(
+    colocated: LLMEngine, shm: tuple[KVSender, KVReceiver]
+) -> None:
     prompts = _prompts()
     params = {req_id: _params(i) for i, req_id in enumerate(prompts)}
     expected = run_all(colocated, prompts, params)
@@ -52,13 +74,13 @@ def test_disaggregated_tokens_match_colocated_and_no_block_leaks(colocated: LLME
     free_at_start = (prefill.num_free_blocks, decode.num_free_blocks)
     for req_id, prompt in prompts.items():
         prefill.add_request(req_id, prefill.make_prefill_request(req_id, prompt, params[req_id]))
-    transfers: dict[str, PrefilledKV] = {}
+    sender, receiver = shm
     while prefill.has_unfinished_requests():
         for out in prefill.step():
             if out.finished:
                 assert out.prefilled is not None, out
-                transfers[out.req_id] = _over_the_wire(out.prefilled)
-    assert set(transfers) == set(prompts)
+                sender.send(f"t-{out.req_id}", out.prefilled)  # a shared-memory segment each
+    transfers = {req_id: receiver.receive(f"t-{req_id}") for req_id in prompts}
 
     # Arrivals while others decode: 8 imports between steps.
     results: dict[str, dict[str, object]] = {}
@@ -98,7 +120,7 @@ def test_an_import_the_pool_cannot_hold_waits_and_is_recomputed(colocated: LLMEn
     prompt = " ".join(_WORDS * 6)
     params = SamplingParams(temperature=0.0, max_tokens=6)
     expected = run_all(colocated, {"a": prompt}, params)["a"]["token_ids"]
-    kv = _prefill_one(engine_like(colocated), "a", prompt, params)
+    kv = _over_the_wire(_prefill_one(engine_like(colocated), "a", prompt, params))
     # A decode pool of 12 blocks, 9 of them held by another request: the import waits, and
     # the request is prefilled again there once the other one is done.
     decode = engine_like(colocated, kv_cache_memory_bytes=colocated.handoff.blocks.block_nbytes * 12)
