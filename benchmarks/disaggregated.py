@@ -11,8 +11,8 @@ served:
 
 The workload: ``--streams`` streaming requests decode without end (each restarted when it
 finishes), and every ``--arrival-s`` seconds a request with a long prompt (``--prompt-words``
-words; 600 words are 607 tokens) arrives. The figure is the inter-token latency (ITL, the gap between
-two SSE chunks of one stream) of the decoding streams over ``--window-s`` seconds: in the
+words; 600 words are 607 tokens) arrives. The figure is the inter-token latency (ITL, the
+gap between two SSE chunks of one stream) of the decoding streams over ``--window-s`` s: in the
 colocated engine a long prompt's prefill chunk shares a step with the decodes, which then
 wait for it; disaggregated, only its KV import and its own decode reach the decode engine.
 The ratio printed is ITL p99 colocated / disaggregated. On a 2-core machine the two engines
