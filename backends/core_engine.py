@@ -50,11 +50,24 @@ from backends.errors import (
 )
 from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
 
-__all__ = ["CoreEngineBackend", "CoreEngineOptions", "create_backend"]
+__all__ = [
+    "KV_DECODE_LABEL",
+    "KV_PREFILL_LABEL",
+    "CoreEngineBackend",
+    "CoreEngineOptions",
+    "KVTransferOptions",
+    "create_backend",
+]
 
 logger = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_S = 2.0
+
+#: Disaggregated serving (``backends/disaggregated.py``): a request labelled
+#: ``KV_PREFILL_LABEL = <transfer id>`` is prefilled only and its KV sent under that id; one
+#: labelled ``KV_DECODE_LABEL = <transfer id>`` continues from the KV received under it.
+KV_PREFILL_LABEL = "infermux.kv_prefill"
+KV_DECODE_LABEL = "infermux.kv_decode"
 
 
 class SpeculationOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -66,6 +79,18 @@ class SpeculationOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     ngram_max: int = 3
     ngram_min: int = 1
     draft_kv_cache_memory_mb: int | None = None
+
+
+class KVTransferOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``options.kv_transfer`` (see ``core_engine.kv_transfer.transport.KVTransferConfig``)."""
+
+    #: "shm": shared memory, prefill and decode engines on one host; "tcp": ZeroMQ.
+    transport: Literal["shm", "tcp"] = "shm"
+    #: tcp: the decode engine's ``tcp://host:port`` (it listens there, prefill engines connect).
+    address: str | None = None
+    #: How long a decode waits for its KV, and how long an unclaimed transfer is kept.
+    timeout_s: float = 30.0
+    ttl_s: float = 60.0
 
 
 class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -124,6 +149,11 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     #: How long a step waits for a rank that died or hangs before the engine fails (and its
     #: worker process is started again).
     tensor_parallel_timeout_s: float = 30.0
+    #: Disaggregated serving: "prefill" sends each prefilled prompt's KV over ``kv_transfer``,
+    #: "decode" receives it and continues the request, "both" (default) does either when
+    #: ``kv_transfer`` is set. Every role still serves whole requests too.
+    role: Literal["prefill", "decode", "both"] = "both"
+    kv_transfer: KVTransferOptions | None = None
 
     def __post_init__(self) -> None:
         # A combination no CPU runs is refused when the config is read (torch is not needed).
@@ -134,6 +164,11 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s}")
+        if self.tensor_parallel_size > 1 and self.kv_transfer is not None:
+            raise ValueError(
+                "kv_transfer: disaggregated serving reads and writes one rank's KV pool; it does not run with "
+                "tensor_parallel_size > 1 yet"
+            )
         for fmt in (self.layer_weight_formats or {}).values():
             check_weight_combination(fmt, self.dtype, self.device, prefix="layer_weight_formats: ")
 
@@ -158,6 +193,9 @@ class CoreEngineBackend:
         if self.options.kv_cache_memory_mb < 1:
             raise ValueError(f"backends.{config.name}.options.kv_cache_memory_mb: must be at least 1")
         self._check_tier_options()
+        self._kv_transfer_config: Any = self._transfer_config()
+        self._kv_sender: Any = None  # KVSender (role prefill/both)
+        self._kv_receiver: Any = None  # KVReceiver (role decode/both)
         self.capabilities = Capabilities(logprobs=True, echo=True, structured_outputs=True, max_top_logprobs=20)
         self._llm: Any | None = None  # AsyncLLM
         self._template: ChatTemplate | None = None
@@ -183,6 +221,42 @@ class CoreEngineBackend:
             raise BackendConfigError(f"{prefix}kv_tenant_quota: must be in (0, 1], got {o.kv_tenant_quota}")
         if (o.kv_host_bytes or o.kv_disk_dir) and not o.enable_prefix_caching:
             raise BackendConfigError(f"{prefix}kv_host_bytes/kv_disk_dir: the KV tiers need enable_prefix_caching")
+
+    def _transfer_config(self) -> Any:
+        o = self.options
+        prefix = f"backends.{self.name}.options."
+        if o.kv_transfer is None:
+            if o.role != "both":
+                raise BackendConfigError(f"{prefix}role: role = {o.role!r} needs kv_transfer (the KV transport)")
+            return None
+        from core_engine.kv_transfer.transport import KVTransferConfig
+
+        try:
+            return KVTransferConfig(**msgspec.structs.asdict(o.kv_transfer))
+        except ValueError as exc:
+            raise BackendConfigError(f"{prefix}{exc}") from exc
+
+    def _open_transport(self) -> None:
+        """The KV transport ends this role needs (in the engine's process, after the load)."""
+        config = self._kv_transfer_config
+        if config is None:
+            return
+        from core_engine.kv_transfer import KVTransferError, open_receiver, open_sender
+
+        try:
+            if self.options.role in ("decode", "both"):
+                self._kv_receiver = open_receiver(config)
+            if self.options.role in ("prefill", "both"):
+                self._kv_sender = open_sender(config)
+        except KVTransferError as exc:
+            raise BackendConfigError(f"backends.{self.name}.options.{exc}") from exc
+
+    def _close_transport(self) -> None:
+        sender, self._kv_sender = self._kv_sender, None
+        receiver, self._kv_receiver = self._kv_receiver, None
+        for end in (sender, receiver):
+            if end is not None:
+                end.close()
 
     def _speculation_config(self) -> Any:
         spec = self.options.speculation
@@ -233,6 +307,11 @@ class CoreEngineBackend:
                 break
             logger.info("backend %s: still loading %s (%.0f s)", self.name, path.name, time.monotonic() - started)
         self._llm = future.result()
+        try:
+            self._open_transport()
+        except BaseException:
+            await self.aclose()
+            raise
         logger.info("backend %s: loaded %s in %.1f s", self.name, path.name, time.monotonic() - started)
 
     def _resolve_model_path(self) -> Path:
@@ -351,6 +430,7 @@ class CoreEngineBackend:
         return None if ranks is None else ranks.lost()
 
     async def aclose(self) -> None:
+        self._close_transport()
         llm, self._llm = self._llm, None
         if llm is not None:
             await llm.shutdown()
@@ -381,6 +461,11 @@ class CoreEngineBackend:
         figures["kv_cache_num_blocks"] = float(kv.num_blocks)
         figures["kv_cache_num_free_blocks"] = float(kv.num_free_blocks)
         figures["kv_cache_capacity_tokens"] = float(kv.num_blocks * kv.block_size)
+        handoff = engine.handoff
+        if self._kv_transfer_config is not None:
+            figures["kv_transfer_blocks:exported"] = float(handoff.num_exported_blocks)
+            figures["kv_transfer_blocks:written"] = float(handoff.num_written_blocks)
+            figures["kv_transfer_blocks:reused"] = float(handoff.num_reused_blocks)
         if engine.tiers is not None:
             figures |= engine.tiers.stats()
             for tier, tokens in engine.tiers.hit_tokens.items():
@@ -395,8 +480,61 @@ class CoreEngineBackend:
     # -- serving --------------------------------------------------------------------------
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream one choice; closing the iterator aborts the engine request."""
+        """Stream one choice; closing the iterator aborts the engine request. A request
+        labelled ``KV_PREFILL_LABEL`` is prefilled only (one chunk: the first token), one
+        labelled ``KV_DECODE_LABEL`` continues from the KV a prefill engine sent."""
+        if KV_PREFILL_LABEL in request.labels:
+            return self._prefill_only(request, request.labels[KV_PREFILL_LABEL])
         return self._generate(request)
+
+    def _transfer_end(self, end: Any, role: str) -> Any:
+        if end is None:
+            raise InvalidRequestError(
+                f"backend {self.name!r} has no KV transport for {role} (options role and kv_transfer)"
+            )
+        return end
+
+    async def _prefill_only(self, request: GenerationRequest, transfer_id: str) -> AsyncIterator[GenerationChunk]:
+        """Prefill, send the prompt's KV under ``transfer_id``, answer the first token."""
+        from core_engine.errors import EngineDeadError, InvalidParamError, RequestTooLongError
+        from core_engine.kv_transfer import KVTransferError
+
+        llm = self._llm
+        if llm is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        sender = self._transfer_end(self._kv_sender, "prefill")
+        prompt_ids, _ = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size)
+        params = self._engine_params(request.params, request.kind == "completion")
+        self._counter += 1
+        req_id = f"{request.request_id}-{request.choice_index}-prefill-{self._counter}"
+        try:
+            engine_request = llm.engine.make_prefill_request(
+                req_id, prompt_ids, params, labels=request.labels, tenant=request.tenant
+            )
+        except RequestTooLongError as exc:
+            raise ContextLengthExceededError(exc.message, param=exc.param) from exc
+        except InvalidParamError as exc:
+            raise InvalidRequestError(exc.message, param=exc.param) from exc
+        last = None
+        stream = llm.generate(engine_request)
+        try:
+            async for out in stream:
+                last = out
+        except EngineDeadError as exc:
+            raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
+        finally:
+            await stream.aclose()
+        if last is None or last.prefilled is None:
+            raise BackendError(f"backend {self.name!r}: the prefill ended without KV ({last and last.finish_reason})")
+        try:
+            await asyncio.to_thread(sender.send, transfer_id, last.prefilled)
+        except KVTransferError as exc:
+            raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
+        yield GenerationChunk(
+            token_ids=(last.prefilled.meta.first_token_id,),
+            finish_reason="length",
+            usage=Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=1, cached_tokens=last.num_cached_tokens),
+        )
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         from core_engine.errors import EngineDeadError, InvalidParamError, RequestTooLongError
@@ -433,7 +571,10 @@ class CoreEngineBackend:
                 raise InvalidRequestError(
                     exc.message, param=prompt_param if exc.param == "prompt" else exc.param
                 ) from exc
-            stream = llm.generate(engine_request)
+            prefilled = None
+            if KV_DECODE_LABEL in request.labels:
+                prefilled = await self._receive(request.labels[KV_DECODE_LABEL])
+            stream = llm.generate(engine_request, prefilled=prefilled)
             async for out in stream:
                 chunk_prompt_logprobs = None
                 if out.prompt_logprobs is not None:
@@ -479,6 +620,17 @@ class CoreEngineBackend:
         finally:
             if stream is not None:
                 await stream.aclose()  # aborts the engine request if it is still running
+
+    async def _receive(self, transfer_id: str) -> Any:
+        """The KV a prefill engine sent under ``transfer_id`` (a retryable error if it never
+        comes whole: the caller prefills again)."""
+        from core_engine.kv_transfer import KVTransferError
+
+        receiver = self._transfer_end(self._kv_receiver, "decode")
+        try:
+            return await asyncio.to_thread(receiver.receive, transfer_id)
+        except KVTransferError as exc:
+            raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
 
     def _prompt(self, request: GenerationRequest, tokenizer: Any, vocab_size: int) -> tuple[list[int], str]:
         if request.kind == "chat":

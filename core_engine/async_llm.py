@@ -18,6 +18,7 @@ from typing import Any
 
 from core_engine.config import EngineConfig
 from core_engine.errors import EngineDeadError
+from core_engine.kv_transfer.payload import PrefilledKV
 from core_engine.llm_engine import LLMEngine
 from core_engine.output import RequestOutput
 from core_engine.policy import EnginePolicies
@@ -93,11 +94,15 @@ class AsyncLLM:
         prompt: str | Sequence[int] | Request,
         params: SamplingParams | None = None,
         req_id: str | None = None,
+        *,
+        prefilled: PrefilledKV | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has ``finished=True``.
 
         Validation errors (``InvalidParamError``, ``RequestTooLongError``) raise before the
-        first output. Closing the iterator early aborts the request.
+        first output. Closing the iterator early aborts the request. With ``prefilled`` (a
+        prefill engine's KV of the request's prompt) the request continues from it
+        (:meth:`LLMEngine.add_prefilled_request`).
         """
         self._check_alive()
         if isinstance(prompt, Request):
@@ -113,8 +118,11 @@ class AsyncLLM:
 
         def add() -> None:
             try:
-                self.engine.add_request(rid, request)
-            except BaseException as exc:  # duplicate id: report to the caller, keep serving
+                if prefilled is not None:
+                    self.engine.add_prefilled_request(request, prefilled)
+                else:
+                    self.engine.add_request(rid, request)
+            except BaseException as exc:  # duplicate id, foreign KV: report to the caller, keep serving
                 loop.call_soon_threadsafe(_settle, added, exc)
                 return
             self._streams[rid] = stream

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from core_engine.errors import InvalidParamError, RequestTooLongError
 from core_engine.kv_cache_manager import KVCacheManager
 from core_engine.kv_offload.block_copy import tier_block_nbytes
 from core_engine.kv_offload.tiers import KVTiers
+from core_engine.kv_transfer.handoff import KVHandoff
+from core_engine.kv_transfer.payload import PrefilledKV
 from core_engine.model_runner import ModelRunner
 from core_engine.output import RequestMetrics, RequestOutput, SpeculationMetrics, TokenLogprobs
 from core_engine.paged_attention import KVCache
@@ -242,6 +245,12 @@ class LLMEngine:
         self.policies = policies or EnginePolicies()
         self.speculator = self._build_speculator(config, num_blocks, block_bytes, dtype, draft_model)
         self.tiers = self._build_tiers(config)
+        #: Disaggregated serving: prefill-only exports and prefilled imports.
+        self.handoff = KVHandoff(self.model_runner.kv_cache, self.kv_cache_manager)
+        self.scheduler.finish_listeners.append(self._export_if_prefilled)
+        self._prefilled: dict[str, PrefilledKV] = {}
+        # Outputs of prefilled requests that finished on their first token (no step needed).
+        self._ready_outputs: list[RequestOutput] = []
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB, %s), max_model_len %d",
             num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
@@ -473,15 +482,78 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request
 
+    def make_prefill_request(
+        self,
+        req_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        labels: dict[str, str] | None = None,
+        tenant: str | None = None,
+    ) -> Request:
+        """A prefill-only request: validated as the whole request would be, it stops after its
+        first token and its last output carries ``prefilled`` (the prompt's KV blocks and that
+        token) for :meth:`add_prefilled_request` on a decode engine."""
+        request = self.make_request(req_id, prompt, params, arrival_time=arrival_time, labels=labels, tenant=tenant)
+        request.max_tokens = 1
+        request.kv_export = True
+        return request
+
+    def _export_if_prefilled(self, request: Request) -> None:
+        if request.kv_export and request.output_token_ids and request.status != RequestStatus.FINISHED_ABORTED:
+            self._prefilled[request.req_id] = self.handoff.export(request)
+
+    def add_prefilled_request(self, request: Request, kv: PrefilledKV) -> Request:
+        """Continue ``request`` (from :meth:`make_request`, same prompt) from a prefill
+        engine's KV: the first token is appended, the prompt's blocks are written into the pool
+        (blocks the prefix cache holds already are reused) and the request decodes from the
+        next step. When the pool or the batch is full it waits instead, as a preempted request
+        would (recomputed, its full blocks still cached). ``ValueError`` when ``kv`` is not
+        this prompt's or not this engine's layout."""
+        if request.req_id in self.scheduler.requests:
+            raise InvalidParamError(f"request id {request.req_id!r} is already running", param="request_id")
+        self.handoff.check(request, kv)
+        scheduler = self.scheduler
+        now = time.monotonic()
+        request.append_output_token(kv.meta.first_token_id)
+        if request.matcher is not None:  # a constrained request: its grammar saw the first token there
+            request.matcher.consume_token(kv.meta.first_token_id)
+        request.first_scheduled_time = request.first_token_time = now
+        self._states[request.req_id] = _OutputState(self.tokenizer, request.sampling_params)
+        if request.check_stop(self.max_model_len):
+            request.finished_time = now
+            request.num_cached_tokens = 0
+            self._ready_outputs.append(self._make_output(request))
+            return request
+        scheduler.requests[request.req_id] = request
+        if not self.handoff.import_blocks(request, kv):
+            self.handoff.num_deferred += 1
+            scheduler.waiting.append(request)  # pool short: recomputed when there is room
+            return request
+        scheduler.num_prompt_tokens_admitted += request.num_prompt_tokens
+        scheduler.num_prompt_tokens_cached += request.num_cached_tokens or 0
+        if len(scheduler.running) >= scheduler.max_num_seqs:
+            # The batch is full: the written blocks stay in the prefix cache for its turn.
+            self.handoff.num_deferred += 1
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            scheduler.waiting.append(request)
+            return request
+        request.status = RequestStatus.RUNNING
+        scheduler.running.append(request)
+        return request
+
     def abort_request(self, req_ids: str | Iterable[str]) -> None:
         """Finish requests now (status ``FINISHED_ABORTED``); their KV blocks are freed at once."""
         ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for req_id in ids:
             self._states.pop(req_id, None)
+            self._prefilled.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._ready_outputs)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -496,11 +568,12 @@ class LLMEngine:
             tiers.begin_step(self.scheduler.running, self.scheduler.waiting)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        ready, self._ready_outputs = self._ready_outputs, []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if tiers is not None:
+            if tiers is not None and not ready:
                 tiers.wait_for_loads(0.002)  # only requests waiting on disk reads are left
-            return []
+            return ready
         try:
             runner_output = self.model_runner.execute_model(scheduler_output)
         except RuntimeError as exc:  # a collective or a send to a rank failed
@@ -510,7 +583,7 @@ class LLMEngine:
         if tiers is not None:
             tiers.after_step()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return [self._make_output(request) for request in updated]
+        return ready + [self._make_output(request) for request in updated]
 
     def _make_output(self, request: Request) -> RequestOutput:
         state = self._states[request.req_id]
@@ -551,8 +624,10 @@ class LLMEngine:
             prompt_logprobs = (None, *request.prompt_logprobs)
             state.prompt_logprobs_sent = True
         finished = request.is_finished
+        prefilled = None
         if finished:
             self._states.pop(request.req_id, None)
+            prefilled = self._prefilled.pop(request.req_id, None)
         return RequestOutput(
             req_id=request.req_id,
             new_token_ids=tuple(new_ids),
@@ -582,6 +657,7 @@ class LLMEngine:
             )
             if finished and self.speculator is not None
             else None,
+            prefilled=prefilled,
         )
 
     @staticmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 __all__ = ["GenerationOutput", "RequestMetrics", "RequestOutput", "SpeculationMetrics", "TokenLogprobs"]
@@ -67,6 +69,9 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     metrics: RequestMetrics | None = None
     #: On the last output, when the engine has speculation configured.
     speculation: SpeculationMetrics | None = None
+    #: On the last output of a prefill-only request: its prompt's KV blocks and first token
+    #: (a :class:`~core_engine.kv_transfer.payload.PrefilledKV`), for a decode engine.
+    prefilled: Any = None
 
 
 class GenerationOutput(msgspec.Struct, kw_only=True):

@@ -112,6 +112,9 @@ class Request:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        #: Prefill only (disaggregated serving): the request stops after its first token and
+        #: the engine exports its prompt's KV blocks (:mod:`core_engine.kv_transfer`).
+        self.kv_export = False
 
     @property
     def num_tokens(self) -> int:

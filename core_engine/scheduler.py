@@ -107,6 +107,10 @@ class Scheduler:
         #: Called with each request whose KV blocks were freed (finish, abort, preemption):
         #: the draft model frees its own blocks for it.
         self.release_listeners: list[Callable[[Request], None]] = []
+        #: Called with each request that finished (or was aborted) while it still holds its
+        #: KV blocks: a prefill-only request's blocks are exported there
+        #: (:mod:`core_engine.kv_transfer`).
+        self.finish_listeners: list[Callable[[Request], None]] = []
         #: The KV tiers below the device pool (:class:`~core_engine.kv_offload.tiers.KVTiers`),
         #: consulted for prefix hits the device pool lacks; None: device only.
         self.tiers: Any = None
@@ -142,6 +146,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request.finished_time = time.monotonic()
+        for listener in self.finish_listeners:
+            listener(request)
         self.kv_cache_manager.free(request)
         request.spec_token_ids = []
         del self.requests[request.req_id]

@@ -125,6 +125,13 @@ def _build_backends(
             built[backend_config.name] = given[backend_config.name]
             continue
         built[backend_config.name] = _construct(i, backend_config, kinds[backend_config.kind])
+    for i, backend_config in enumerate(config.backends):
+        bind = getattr(built[backend_config.name], "bind_backends", None)
+        if callable(bind):  # a backend over others (kind "disaggregated"): give it them
+            try:
+                bind(built)
+            except ValueError as exc:
+                raise ConfigError(str(exc), key=f"backends[{i}].options") from exc
     return built
 
 

@@ -23,6 +23,7 @@ BUILTIN_KINDS: dict[str, tuple[str, str]] = {
     "openai": ("backends.openai_compat", 'pip install -e "."'),
     "core_engine": ("backends.core_engine", 'pip install -e ".[core]"'),
     "mlx": ("backends.mlx", 'pip install -e ".[mlx]"'),
+    "disaggregated": ("backends.disaggregated", 'pip install -e ".[core]"'),
 }
 
 

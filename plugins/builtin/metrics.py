@@ -144,6 +144,19 @@ _COUNTER_STATS = {
         "infermux_backend_kv_disk_write_errors",
         "KV block writes that failed (the disk tier turns itself off)",
     ),
+    # Disaggregated prefill / decode (backends/disaggregated.py).
+    "disaggregated_requests": (
+        "infermux_backend_disaggregated_requests",
+        "Requests served prefill -> decode by a disaggregated backend",
+    ),
+    "disaggregated_retries": (
+        "infermux_backend_disaggregated_retries",
+        "Prefill + transfer attempts tried again after a failure (a prefill worker lost, a transfer not arriving)",
+    ),
+    "disaggregated_fallbacks": (
+        "infermux_backend_disaggregated_fallbacks",
+        "Requests the decode engine served whole after every attempt failed",
+    ),
     "kv_disk_load_seconds": (
         "infermux_backend_kv_disk_load_seconds",
         "Time from asking for KV blocks on disk to having them in memory, summed over blocks",
@@ -185,6 +198,13 @@ _LABELED_STATS = {
         "infermux_backend_kv_tier_restored_blocks",
         "KV blocks copied up into the device pool, by the tier they came from",
         "tier",
+        "counter",
+    ),
+    "kv_transfer_blocks": (
+        "infermux_backend_kv_transfer_blocks",
+        "Disaggregated serving: KV blocks exported by a prefill engine, and imported by a decode "
+        "engine by writing them or found in its prefix cache already",
+        "kind",
         "counter",
     ),
 }
