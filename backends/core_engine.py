@@ -667,12 +667,7 @@ class CoreEngineBackend:
 
         want_logprobs = params.logprobs or params.top_logprobs > 0
         try:
-            constraint = None
-            if structured is not None:
-                fields = {k: v for k, v in structured.items() if k != "param"}
-                if "choice" in fields:
-                    fields["choice"] = tuple(fields["choice"])
-                constraint = StructuredOutput(**fields, param=structured["param"])
+            constraint = None if structured is None else StructuredOutput.from_request(structured)
             return SamplingParams(
                 structured_outputs=constraint,
                 max_tokens=params.max_tokens,

@@ -327,11 +327,8 @@ class LlamaCppBackend:
                 return lltokenizer_from_vocab(model.vocab, n_vocab=model.n_vocab, eos_token=sorted(model.eog_ids))
 
             self._grammars = GrammarCompiler(make_tokenizer)
-        fields = {k: v for k, v in structured.items() if k != "param"}
-        if "choice" in fields:
-            fields["choice"] = tuple(fields["choice"])
         try:
-            return self._grammars.compile(StructuredOutput(**fields, param=structured["param"]))
+            return self._grammars.compile(StructuredOutput.from_request(structured))
         except InvalidParamError as exc:
             raise InvalidRequestError(exc.message, param=exc.param) from exc
 

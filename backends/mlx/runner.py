@@ -170,11 +170,8 @@ class MLXRunner:
                 return from_tokenizer(tokenizer.hf, n_vocab=n_vocab, eos_token=eos)
 
             self._grammars = GrammarCompiler(make_tokenizer)
-        fields = {k: v for k, v in structured.items() if k != "param"}
-        if "choice" in fields:
-            fields["choice"] = tuple(fields["choice"])
         try:
-            return self._grammars.compile(StructuredOutput(**fields, param=structured["param"]))
+            return self._grammars.compile(StructuredOutput.from_request(structured))
         except InvalidParamError as exc:
             raise InvalidRequestError(exc.message, param=exc.param) from exc
 

@@ -63,7 +63,3 @@ class TensorParallelGroup:
         parts = [torch.empty(rows, widest, dtype=local.dtype, device=local.device) for _ in widths]
         self._pg.allgather([parts], [padded.contiguous()]).wait()
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
-
-    def barrier(self) -> None:
-        """Every rank reached this point (start-up: all ranks loaded and sharded)."""
-        self._pg.allreduce([torch.zeros(1, device=self.device)]).wait()

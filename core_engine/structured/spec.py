@@ -39,6 +39,14 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
             raise InvalidParamError(f"{self.param}: choice must be a non-empty list of strings", param=self.param)
 
+    @classmethod
+    def from_request(cls, structured: dict[str, Any]) -> StructuredOutput:
+        """From ``GenerationRequest.structured_outputs`` (the gateway's normalised dict)."""
+        fields = {k: v for k, v in structured.items() if k != "param"}
+        if "choice" in fields:
+            fields["choice"] = tuple(fields["choice"])
+        return cls(**fields, param=structured["param"])
+
     def key(self) -> str:
         """A canonical text of the constraint (the compile cache's key)."""
         value: Any = {n: getattr(self, n) for n in ("json", "json_object", "regex", "choice", "grammar")}
