@@ -71,9 +71,14 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     request_id: str
     model: str  # the alias the client asked for
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "embedding"]
     messages: tuple[ChatMessage, ...] | None = None  # chat
     prompt: str | tuple[int, ...] | None = None  # completion: text or token ids
+    #: Embeddings: every input of the request (text or token ids), embedded in one call so
+    #: that an engine can batch them; the answer is one chunk with ``embeddings``.
+    inputs: tuple[str | tuple[int, ...], ...] | None = None
+    #: Embeddings ``dimensions`` as sent (None: the model's own size).
+    dimensions: int | None = None
     params: SamplingParams = SamplingParams()
     stream: bool = False
     choice_index: int = 0
@@ -177,6 +182,9 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
     phases: EnginePhases | None = None
     #: On the last chunk of a backend that speculates (None: no speculation).
     speculation: SpeculationStats | None = None
+    #: Embedding requests: one vector per input, in order, as little-endian float32 bytes
+    #: (OpenAI's base64 payload; compact across the worker-process boundary).
+    embeddings: tuple[bytes, ...] | None = None
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):

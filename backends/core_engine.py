@@ -47,6 +47,7 @@ from backends.errors import (
     ContextLengthExceededError,
     InfermuxError,
     InvalidRequestError,
+    UnsupportedParameterError,
 )
 from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
 
@@ -154,6 +155,10 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     #: ``kv_transfer`` is set. Every role still serves whole requests too.
     role: Literal["prefill", "decode", "both"] = "both"
     kv_transfer: KVTransferOptions | None = None
+    #: ``POST /v1/embeddings``: how a sequence's final hidden states (after the final norm,
+    #: before the LM head) become its vector, which is then L2-normalised: "mean" over its
+    #: tokens, or "last" (its last token's, as embedding models trained that way expect).
+    embedding_pooling: Literal["mean", "last"] = "mean"
 
     def __post_init__(self) -> None:
         # A combination no CPU runs is refused when the config is read (torch is not needed).
@@ -196,7 +201,14 @@ class CoreEngineBackend:
         self._kv_transfer_config: Any = self._transfer_config()
         self._kv_sender: Any = None  # KVSender (role prefill/both)
         self._kv_receiver: Any = None  # KVReceiver (role decode/both)
-        self.capabilities = Capabilities(logprobs=True, echo=True, structured_outputs=True, max_top_logprobs=20)
+        self.capabilities = Capabilities(
+            logprobs=True,
+            echo=True,
+            structured_outputs=True,
+            max_top_logprobs=20,
+            # A tensor-parallel rank 0 holds a shard of the hidden state: no embeddings there.
+            embeddings=self.options.tensor_parallel_size == 1,
+        )
         self._llm: Any | None = None  # AsyncLLM
         self._template: ChatTemplate | None = None
         self._bos_text = ""
@@ -483,9 +495,48 @@ class CoreEngineBackend:
         """Stream one choice; closing the iterator aborts the engine request. A request
         labelled ``KV_PREFILL_LABEL`` is prefilled only (one chunk: the first token), one
         labelled ``KV_DECODE_LABEL`` continues from the KV a prefill engine sent."""
+        if request.kind == "embedding":
+            return self._embed(request)
         if KV_PREFILL_LABEL in request.labels:
             return self._prefill_only(request, request.labels[KV_PREFILL_LABEL])
         return self._generate(request)
+
+    async def _embed(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Every input in one chunk: tokenized here, pooled on the engine's thread between
+        steps (``LLMEngine.embed``: all inputs in as few forwards as the token budget allows)."""
+        from core_engine.errors import EngineDeadError, InvalidParamError, RequestTooLongError
+
+        llm = self._llm
+        if llm is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        hidden_size = llm.engine.model_config.hidden_size
+        if request.dimensions is not None and request.dimensions != hidden_size:
+            raise UnsupportedParameterError(
+                f"the model {request.model!r} gives vectors of {hidden_size} dimensions only "
+                f"(backend {self.name!r} cannot shorten them)",
+                param="dimensions",
+            )
+        tokenizer = llm.engine.tokenizer
+        token_ids: list[list[int]] = []
+        for i, item in enumerate(request.inputs or ()):
+            ids = list(item) if isinstance(item, tuple) else tokenizer.encode(item, add_special=True, parse_special=True)
+            if not ids:
+                raise InvalidRequestError("the input has no tokens", param=f"input[{i}]")
+            token_ids.append(ids)
+        pooling = self.options.embedding_pooling
+        try:
+            vectors = await llm.call(lambda engine: engine.embed(token_ids, pooling))
+        except RequestTooLongError as exc:
+            raise ContextLengthExceededError(exc.message, param=exc.param) from exc
+        except InvalidParamError as exc:
+            raise InvalidRequestError(exc.message, param=exc.param) from exc
+        except EngineDeadError as exc:
+            raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
+        yield GenerationChunk(
+            embeddings=tuple(v.cpu().numpy().astype("<f4").tobytes() for v in vectors),
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=sum(len(ids) for ids in token_ids), completion_tokens=0),
+        )
 
     def _transfer_end(self, end: Any, role: str) -> Any:
         if end is None:

@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -48,11 +48,18 @@ from backends.base import (
     GenerationRequest,
     HealthStatus,
     ModelInfo,
+    Usage,
 )
-from backends.errors import BackendConfigError, BackendUnavailableError, InvalidRequestError
+from backends.errors import (
+    BackendConfigError,
+    BackendUnavailableError,
+    InvalidRequestError,
+    UnsupportedParameterError,
+)
 from core_engine.policy import EnginePolicies, SpeculationMethod
 
 if TYPE_CHECKING:
+    from backends._llamacpp_embedding import LlamaEmbedder
     from backends._llamacpp_loop import LlamaRunner
 
 __all__ = ["LlamaCppBackend", "LlamaCppOptions", "LlamaCppSpeculation", "create_backend"]
@@ -110,6 +117,9 @@ class LlamaCppOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     #: Speculative decoding (None: off). See "Speculative decoding (llama.cpp)" in
     #: docs/backends.md.
     speculation: LlamaCppSpeculation | None = None
+    #: ``POST /v1/embeddings``: llama.cpp's pooling of a sequence's final hidden states
+    #: ("mean" or "last"), L2-normalised; run in a second context created on first use.
+    embedding_pooling: Literal["mean", "last"] = "mean"
 
 
 class LlamaCppBackend:
@@ -134,9 +144,10 @@ class LlamaCppBackend:
         if self.options.speculation is not None:
             _check_speculation(self.options.speculation, f"{prefix}.speculation")
         self.capabilities = Capabilities(
-            logprobs=True, echo=True, structured_outputs=True, max_top_logprobs=20
+            logprobs=True, echo=True, structured_outputs=True, embeddings=True, max_top_logprobs=20
         )
         self._runner: LlamaRunner | None = None
+        self._embedder: LlamaEmbedder | None = None
         #: Structured-output constraints over llama.cpp's vocabulary (built on first use).
         self._grammars: Any = None
         self._model_path: Path | None = None
@@ -176,6 +187,14 @@ class LlamaCppBackend:
                 time.monotonic() - started,
             )
         self._runner = runner = future.result()
+        from backends._llamacpp_embedding import LlamaEmbedder
+
+        self._embedder = LlamaEmbedder(
+            runner.model,
+            n_ctx=self.options.n_ctx,
+            n_threads=self.options.n_threads_batch or self.options.n_threads,
+            pooling=self.options.embedding_pooling,
+        )
         logger.info(
             "backend %s: loaded %s in %.1f s (n_ctx=%d, parallel=%d, n_threads=%d)",
             self.name,
@@ -267,10 +286,13 @@ class LlamaCppBackend:
     async def aclose(self) -> None:
         """Abort queued and running generations, stop the worker thread, free the context."""
         runner, self._runner = self._runner, None
+        embedder, self._embedder = self._embedder, None
         if runner is None:
             return
         # Readers get GenerationAbortedError now, not after the worker's current step.
         runner.stop()
+        if embedder is not None:  # its context goes before the model it runs
+            await asyncio.to_thread(embedder.close)
         await asyncio.to_thread(runner.close)
 
     async def wait_idle(self) -> None:
@@ -298,7 +320,42 @@ class LlamaCppBackend:
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream one choice; closing the iterator takes it out of the batch at the next step."""
+        if request.kind == "embedding":
+            return self._embed(request)
         return self._stream(request)
+
+    async def _embed(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Every input's vector in one chunk (:mod:`backends._llamacpp_embedding`)."""
+        runner, embedder = self._runner, self._embedder
+        if runner is None or embedder is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        if request.dimensions is not None and request.dimensions != embedder.n_embd:
+            raise UnsupportedParameterError(
+                f"the model {request.model!r} gives vectors of {embedder.n_embd} dimensions "
+                f"only (backend {self.name!r} cannot shorten them)",
+                param="dimensions",
+            )
+        model = runner.model
+        token_ids: list[list[int]] = []
+        for i, item in enumerate(request.inputs or ()):
+            if isinstance(item, tuple):
+                if any(not 0 <= t < model.n_vocab for t in item):
+                    raise InvalidRequestError(
+                        f"token ids must be below the vocabulary size {model.n_vocab}",
+                        param=f"input[{i}]",
+                    )
+                ids = list(item)
+            else:
+                ids = model.tokenize(item, add_bos=model.add_bos)
+            if not ids:
+                raise InvalidRequestError("the input has no tokens", param=f"input[{i}]")
+            token_ids.append(ids)
+        vectors = await asyncio.to_thread(embedder.embed, token_ids)
+        yield GenerationChunk(
+            embeddings=tuple(vectors),
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=sum(len(ids) for ids in token_ids), completion_tokens=0),
+        )
 
     async def _stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         runner = self._runner

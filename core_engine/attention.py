@@ -44,6 +44,7 @@ __all__ = [
     "AttentionContext",
     "ContiguousAttention",
     "LayerAttention",
+    "PackedAttention",
     "causal_mask",
     "softcapped_attention",
 ]
@@ -190,6 +191,49 @@ class ContiguousAttention:
             # Query i sits at position (S - T + i) and sees keys 0..S-T+i (bottom-right causal).
             positions = torch.arange(num_new, device=q.device) + (num_total - num_new)
             mask = causal_mask(positions, num_total, spec.window)  # (T, S)
+        if spec.softcap is not None:
+            scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+            out = softcapped_attention(q_, k_, v_, mask, scale=scale, softcap=spec.softcap)
+        else:
+            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=spec.scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)  # (T, n_heads, head_dim)
+
+
+class PackedAttention:
+    """Causal attention over several whole sequences packed into one forward, keeping no KV.
+
+    The sequences' tokens lie one after the other (``lengths`` of them each), every one from
+    position 0: a token attends to the tokens at or before it in its own sequence only (a
+    block-diagonal causal mask). Embeddings run their inputs through the model this way, in
+    one forward, without taking blocks of the serving engine's paged cache.
+    """
+
+    def __init__(self, lengths: list[int], *, device: torch.device | str = "cpu") -> None:
+        self.lengths = lengths
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)  # (T,)
+        self.positions = torch.cat([torch.arange(n) for n in lengths]).to(device)  # (T,)
+        self._same_sequence = seq.unsqueeze(1) == seq.unsqueeze(0)  # (T, T)
+        self._masks: dict[int | None, Tensor] = {}
+
+    def _mask(self, window: int | None) -> Tensor:
+        mask = self._masks.get(window)
+        if mask is None:
+            behind = self.positions.unsqueeze(1) - self.positions.unsqueeze(0)  # (T, T): p_i - p_j
+            mask = self._same_sequence & (behind >= 0)
+            if window is not None:
+                mask &= behind < window
+            self._masks[window] = mask
+        return mask
+
+    def forward(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, spec: LayerAttention | None = None
+    ) -> Tensor:
+        """See :class:`AttentionContext`; the T tokens are the packed sequences' tokens."""
+        spec = spec or DEFAULT
+        mask = self._mask(spec.window)  # (T, T)
+        q_ = q.transpose(0, 1).unsqueeze(0)  # (1, n_heads, T, head_dim)
+        k_ = k.transpose(0, 1).unsqueeze(0)  # (1, n_kv_heads, T, head_dim)
+        v_ = v.transpose(0, 1).unsqueeze(0)
         if spec.softcap is not None:
             scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
             out = softcapped_attention(q_, k_, v_, mask, scale=scale, softcap=spec.softcap)

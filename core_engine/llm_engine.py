@@ -552,6 +552,39 @@ class LLMEngine:
             self._states.pop(req_id, None)
             self._prefilled.pop(req_id, None)
 
+    def embed(self, token_ids: list[list[int]], pooling: str) -> list[torch.Tensor]:
+        """Embeddings of whole sequences (``ModelRunner.embed``), in as few forwards as
+        ``max_num_batched_tokens`` allows (a longer sequence has a forward of its own).
+
+        Call on the engine's thread between steps (``AsyncLLM.call``). ``RequestTooLongError``
+        (param ``input[i]``) for a sequence over ``max_model_len``; ``InvalidParamError`` for a
+        token id outside the vocabulary or with tensor parallelism (rank 0 holds a shard).
+        """
+        if self.tensor_parallel is not None:
+            raise InvalidParamError("embeddings are not served with tensor_parallel_size > 1", param="model")
+        vocab = self.model_config.vocab_size
+        for i, ids in enumerate(token_ids):
+            if len(ids) > self.max_model_len:
+                raise RequestTooLongError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; input {i} has {len(ids)}",
+                    param=f"input[{i}]",
+                )
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidParamError(f"token ids must be below the vocabulary size {vocab}", param=f"input[{i}]")
+        budget = self.config.max_num_batched_tokens
+        vectors: list[torch.Tensor] = []
+        group: list[list[int]] = []
+        num_tokens = 0
+        for ids in token_ids:
+            if group and num_tokens + len(ids) > budget:
+                vectors.extend(self.model_runner.embed(group, pooling))
+                group, num_tokens = [], 0
+            group.append(ids)
+            num_tokens += len(ids)
+        if group:
+            vectors.extend(self.model_runner.embed(group, pooling))
+        return vectors
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._ready_outputs)
 

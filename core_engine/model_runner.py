@@ -16,6 +16,7 @@ import msgspec
 import torch
 from torch import nn
 
+from core_engine.attention import PackedAttention
 from core_engine.paged_attention import KVCache, PagedAttention, build_attention_metadata
 from core_engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from core_engine.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -265,3 +266,24 @@ class ModelRunner:
             self.attn,
             logits_indices=torch.tensor(batch.logits_indices, dtype=torch.long, device=device),
         )
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[list[int]], pooling: str) -> torch.Tensor:
+        """Pooled, L2-normalised final hidden states of whole sequences, in ONE forward:
+        (B,) lists of ids -> (B, hidden) fp32. ``pooling``: "mean" over each sequence's
+        tokens, or "last" (its last token's row). Touches neither the KV pool nor the sampler.
+        """
+        device = self.device
+        lengths = [len(ids) for ids in token_ids]
+        attn = PackedAttention(lengths, device=device)
+        flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=device)  # (T,)
+        hidden = self.model.hidden_states(flat, attn.positions, attn)  # (T, hidden)
+        if pooling == "last":
+            ends = torch.tensor(lengths, device=device).cumsum(0) - 1  # (B,)
+            pooled = self.model.final_norm(hidden[ends]).float()  # (B, hidden)
+        else:
+            rows = self.model.final_norm(hidden).float()  # (T, hidden)
+            seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+            sums = torch.zeros(len(lengths), rows.shape[1], device=device).index_add_(0, seq, rows)
+            pooled = sums / torch.tensor(lengths, device=device, dtype=torch.float32).unsqueeze(1)
+        return torch.nn.functional.normalize(pooled, dim=-1)

@@ -19,6 +19,15 @@ def unsupported_parameter(
     capabilities: Capabilities, request: GenerationRequest, backend_name: str
 ) -> UnsupportedParameterError | None:
     """The error for the first parameter ``capabilities`` rule out, else None."""
+    if request.kind == "embedding":
+        if capabilities.embeddings:
+            return None
+        # The model is what the client chose wrongly: it names a generation-only model.
+        return UnsupportedParameterError(
+            f"the backend {backend_name!r} that serves the model {request.model!r} does not "
+            "compute embeddings",
+            param="model",
+        )
     params = request.params
     # Checked in this order; (parameter, what is not supported) for the first refused one.
     refused: tuple[str, str] | None = None

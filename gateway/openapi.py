@@ -118,7 +118,8 @@ def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]
             if is_generation and isinstance(success, OpenAPIResponse) and success.content:
                 body = success.content.get("application/json")
                 ref = getattr(body.schema, "ref", "") if body is not None else ""
-                if ref:
+                # Only endpoints that stream have a chunk type (embeddings never stream).
+                if ref and f"{ref.rsplit('/', 1)[-1]}Chunk" in wire_schemas:
                     success.content["text/event-stream"] = OpenAPIMediaType(
                         # ChatCompletion -> ChatCompletionChunk; a raw dict, serialised as is.
                         schema=_sse_event_schema(f"{ref}Chunk"),  # type: ignore[arg-type]

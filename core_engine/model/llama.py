@@ -351,6 +351,14 @@ class LlamaModel(nn.Module):
         are wanted (e.g. the last token of each sequence); ``None`` means all T.
         Returns fp32 logits (N or T, vocab_size).
         """
+        x = self.hidden_states(input_ids, positions, attn)  # (T, hidden)
+        if logits_indices is not None:
+            x = x[logits_indices]  # (N, hidden)
+        return self.compute_logits(x)
+
+    def hidden_states(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext) -> Tensor:
+        """(T,) ids and positions -> (T, hidden) final residual rows, before the final norm
+        and the LM head (:meth:`final_norm` gives what embeddings pool)."""
         x = self.embed(input_ids)  # (T, hidden)
         cos, sin = self.rotary.lookup(positions)  # (T, 1, head_dim/2) each
         local = None if self.local_rotary is None else self.local_rotary.lookup(positions)
@@ -359,9 +367,11 @@ class LlamaModel(nn.Module):
                 x = layer(x, *local, attn, layer_idx)
             else:
                 x = layer(x, cos, sin, attn, layer_idx)
-        if logits_indices is not None:
-            x = x[logits_indices]  # (N, hidden)
-        return self.compute_logits(x)
+        return x
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        """(N, hidden) final residual rows -> the normalised rows the LM head reads."""
+        return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_eps)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """(T,) token ids -> (T, hidden) rows of the embedding table (scaled where the
@@ -373,7 +383,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, x: Tensor) -> Tensor:
         """(N, hidden) final residual rows -> (N, vocab) fp32 logits: norm, LM head, soft-cap."""
         cfg = self.config
-        x = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_eps)
+        x = self.final_norm(x)
         logits = self.head(x).float()  # (N, vocab)
         if cfg.final_logit_softcap is not None:
             logits = cfg.final_logit_softcap * torch.tanh(logits / cfg.final_logit_softcap)

@@ -2,6 +2,7 @@
 
 from gateway.controllers.chat import CHAT_COMPLETIONS
 from gateway.controllers.completion import COMPLETIONS
+from gateway.controllers.embedding import EMBEDDINGS
 from gateway.controllers.health import HealthController
 from gateway.controllers.metrics import MetricsController
 from gateway.controllers.model import ModelController
@@ -11,6 +12,7 @@ __all__ = [
     "CHAT_COMPLETIONS",
     "COMPLETIONS",
     "CONTROLLERS",
+    "EMBEDDINGS",
     "GENERATION_ENDPOINTS",
     "HealthController",
     "MetricsController",
@@ -19,7 +21,7 @@ __all__ = [
 ]
 
 #: The generation endpoints (``@asgi`` handlers built per app: gateway/generation_endpoint.py).
-GENERATION_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
+GENERATION_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS)
 
 #: Every other controller the app mounts. Those under ``/v1/`` carry the API-key guard.
 CONTROLLERS = (

@@ -33,6 +33,12 @@ from gateway.schemas.completion import (
     CompletionLogprobs,
     CompletionRequest,
 )
+from gateway.schemas.embedding import (
+    Embedding,
+    EmbeddingList,
+    EmbeddingRequest,
+    EmbeddingUsage,
+)
 from gateway.schemas.model import HealthResponse, ModelCard, ModelList, ReadinessResponse
 
 __all__ = [
@@ -53,6 +59,10 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionRequest",
     "ContentPart",
+    "Embedding",
+    "EmbeddingList",
+    "EmbeddingRequest",
+    "EmbeddingUsage",
     "ErrorBody",
     "ErrorResponse",
     "HealthResponse",

@@ -13,10 +13,13 @@ _PROVIDERS = {
     "mock": "mock",
 }
 
+# gen_ai.operation.name per request kind (the semantic conventions' well-known values).
+_OPERATIONS = {"chat": "chat", "completion": "text_completion", "embedding": "embeddings"}
+
 
 def operation_name(kind: str) -> str:
     """``gen_ai.operation.name`` of a ``GenerationRequest.kind``."""
-    return "chat" if kind == "chat" else "text_completion"
+    return _OPERATIONS.get(kind, "text_completion")
 
 
 def provider_name(backend_kind: str | None) -> str:

@@ -63,6 +63,9 @@ __all__ = ["TracingPlugin", "create_plugin"]
 logger = logging.getLogger("plugins.tracing")
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# The response id's prefix per request kind, as the endpoints write it.
+_ID_PREFIXES = {"chat": "chatcmpl", "completion": "cmpl", "embedding": "emb"}
+
 # Backend kinds that run in this process: their attempt spans are INTERNAL, not CLIENT.
 _LOCAL_KINDS = frozenset({"llamacpp", "core_engine", "mlx", "mock"})
 
@@ -294,8 +297,7 @@ class TracingPlugin:
         request = summary.request
         served = summary.backend_names
         attributes: dict[str, Any] = {
-            "gen_ai.response.id": f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-"
-            f"{summary.request_id}",
+            "gen_ai.response.id": f"{_ID_PREFIXES.get(request.kind, 'cmpl')}-{summary.request_id}",
             "gen_ai.response.model": request.model,
             "gen_ai.usage.input_tokens": summary.usage.prompt_tokens,
             "gen_ai.usage.output_tokens": summary.usage.completion_tokens,
