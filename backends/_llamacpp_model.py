@@ -85,7 +85,9 @@ class LlamaModel:
                 for m in request.messages or ()
             ]
             try:
-                text = self.template.render(messages, add_generation_prompt=True)
+                text = self.template.render(
+                    messages, add_generation_prompt=request.add_generation_prompt
+                )
             except ChatTemplateError as exc:
                 raise InvalidRequestError(str(exc), param="messages") from exc
             add_bos = self.add_bos and not (self._bos_text and text.startswith(self._bos_text))
@@ -133,6 +135,10 @@ class LlamaModel:
         if tokens and tokens[0] == self.bos_id and data.startswith(b" "):
             return data[1:]
         return data
+
+    def token_text(self, token: int) -> bytes:
+        """The bytes of one token as written in text, special tokens included (detokenize)."""
+        return self._token_to_piece(token, special=True)
 
     def _special_text(self, token_id: str | None) -> str:
         if token_id is None:

@@ -9,7 +9,9 @@ cheaper to create and free; several per streamed token).
 
 from __future__ import annotations
 
+import base64
 import email.utils
+import struct
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
@@ -21,6 +23,7 @@ from backends.base import GenerationRequest, TokenLogprob, TopLogprob, Usage
 from backends.errors import UnsupportedParameterError
 
 __all__ = [
+    "UpstreamEmbeddings",
     "ErrorBody",
     "StreamChunk",
     "UpstreamError",
@@ -161,6 +164,31 @@ def completion_logprobs(logprobs: ChoiceLogprobs | None) -> tuple[TokenLogprob, 
             )
         )
     return tuple(entries)
+
+
+class UpstreamEmbedding(msgspec.Struct, frozen=True, kw_only=True):
+    """One vector of an upstream's embeddings answer: base64 (asked for) or floats (servers
+    that ignore ``encoding_format``)."""
+
+    index: int
+    embedding: str | list[float]
+
+    def to_bytes(self) -> bytes:
+        """Little-endian float32 bytes, what the gateway answers with."""
+        if isinstance(self.embedding, str):
+            return base64.b64decode(self.embedding)
+        return struct.pack(f"<{len(self.embedding)}f", *self.embedding)
+
+
+class UpstreamEmbeddingUsage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int = 0
+
+
+class UpstreamEmbeddings(msgspec.Struct, frozen=True, kw_only=True):
+    """The body of an upstream's ``POST /embeddings`` answer (the fields infermux reads)."""
+
+    data: list[UpstreamEmbedding]
+    usage: UpstreamEmbeddingUsage | None = None
 
 
 def request_body(request: GenerationRequest, *, model: str) -> tuple[str, bytes]:

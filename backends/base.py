@@ -71,7 +71,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     request_id: str
     model: str  # the alias the client asked for
-    kind: Literal["chat", "completion", "embedding"]
+    #: ``tokenize`` / ``detokenize`` (``POST /tokenize``, ``/detokenize``): the prompt's
+    #: tokens (``messages`` rendered, or ``prompt`` text) or the text of ``prompt``'s ids,
+    #: answered in one chunk without generating.
+    kind: Literal["chat", "completion", "embedding", "tokenize", "detokenize"]
     messages: tuple[ChatMessage, ...] | None = None  # chat
     prompt: str | tuple[int, ...] | None = None  # completion: text or token ids
     #: Embeddings: every input of the request (text or token ids), embedded in one call so
@@ -79,6 +82,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     inputs: tuple[str | tuple[int, ...], ...] | None = None
     #: Embeddings ``dimensions`` as sent (None: the model's own size).
     dimensions: int | None = None
+    #: Chat messages are rendered with the template's assistant prefix (tokenize may ask
+    #: for the messages alone).
+    add_generation_prompt: bool = True
     params: SamplingParams = SamplingParams()
     stream: bool = False
     choice_index: int = 0
@@ -201,6 +207,8 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     structured_outputs: bool = False
     tools: bool = False
     embeddings: bool = False
+    #: ``kind`` tokenize / detokenize requests (the backend has the model's tokenizer).
+    tokenize: bool = False
     max_top_logprobs: int = 20
 
 

@@ -208,6 +208,7 @@ class CoreEngineBackend:
             max_top_logprobs=20,
             # A tensor-parallel rank 0 holds a shard of the hidden state: no embeddings there.
             embeddings=self.options.tensor_parallel_size == 1,
+            tokenize=True,
         )
         self._llm: Any | None = None  # AsyncLLM
         self._template: ChatTemplate | None = None
@@ -497,9 +498,32 @@ class CoreEngineBackend:
         labelled ``KV_DECODE_LABEL`` continues from the KV a prefill engine sent."""
         if request.kind == "embedding":
             return self._embed(request)
+        if request.kind in ("tokenize", "detokenize"):
+            return self._tokenize(request)
         if KV_PREFILL_LABEL in request.labels:
             return self._prefill_only(request, request.labels[KV_PREFILL_LABEL])
         return self._generate(request)
+
+    async def _tokenize(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """The prompt's token ids (as a generation of it would see them), or the text of
+        ``prompt``'s ids; one chunk."""
+        llm = self._llm
+        if llm is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        tokenizer, vocab_size = llm.engine.tokenizer, llm.engine.model_config.vocab_size
+        ids = request.prompt if isinstance(request.prompt, tuple) else ()
+        if request.kind == "detokenize":
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="tokens")
+            text = tokenizer.decode(list(ids), skip_special=False)
+            yield GenerationChunk(text=text, finish_reason="stop", usage=Usage(prompt_tokens=len(ids), completion_tokens=0))
+            return
+        as_prompt = msgspec.structs.replace(request, kind="chat" if request.messages is not None else "completion")
+        prompt_ids, _ = self._prompt(as_prompt, tokenizer, vocab_size)
+        yield GenerationChunk(
+            token_ids=tuple(prompt_ids), finish_reason="stop", usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)
+        )
 
     async def _embed(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Every input in one chunk: tokenized here, pooled on the engine's thread between
@@ -691,7 +715,7 @@ class CoreEngineBackend:
                 for m in request.messages or ()
             ]
             try:
-                text = self._template.render(messages, add_generation_prompt=True)
+                text = self._template.render(messages, add_generation_prompt=request.add_generation_prompt)
             except ChatTemplateError as exc:
                 raise InvalidRequestError(str(exc), param="messages") from exc
             add_bos = not (self._bos_text and text.startswith(self._bos_text))

@@ -144,7 +144,12 @@ class LlamaCppBackend:
         if self.options.speculation is not None:
             _check_speculation(self.options.speculation, f"{prefix}.speculation")
         self.capabilities = Capabilities(
-            logprobs=True, echo=True, structured_outputs=True, embeddings=True, max_top_logprobs=20
+            logprobs=True,
+            echo=True,
+            structured_outputs=True,
+            embeddings=True,
+            tokenize=True,
+            max_top_logprobs=20,
         )
         self._runner: LlamaRunner | None = None
         self._embedder: LlamaEmbedder | None = None
@@ -322,7 +327,35 @@ class LlamaCppBackend:
         """Stream one choice; closing the iterator takes it out of the batch at the next step."""
         if request.kind == "embedding":
             return self._embed(request)
+        if request.kind in ("tokenize", "detokenize"):
+            return self._tokenize(request)
         return self._stream(request)
+
+    async def _tokenize(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """The prompt's token ids (as a generation of it would see them), or the text of
+        ``prompt``'s ids; one chunk (the model's vocabulary is read-only: any thread)."""
+        runner = self._runner
+        if runner is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        model = runner.model
+        ids = request.prompt if isinstance(request.prompt, tuple) else ()
+        if request.kind == "detokenize":
+            bad = next((t for t in ids if not 0 <= t < model.n_vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"token id {bad} is outside the vocabulary (0..{model.n_vocab - 1})",
+                    param="tokens",
+                )
+            text = b"".join(model.token_text(t) for t in ids).decode("utf-8", errors="replace")
+            usage = Usage(prompt_tokens=len(ids), completion_tokens=0)
+            yield GenerationChunk(text=text, finish_reason="stop", usage=usage)
+            return
+        as_prompt = msgspec.structs.replace(
+            request, kind="chat" if request.messages is not None else "completion"
+        )
+        tokens, _ = model.prompt_tokens(as_prompt)
+        usage = Usage(prompt_tokens=len(tokens), completion_tokens=0)
+        yield GenerationChunk(token_ids=tuple(tokens), finish_reason="stop", usage=usage)
 
     async def _embed(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Every input's vector in one chunk (:mod:`backends._llamacpp_embedding`)."""

@@ -39,6 +39,7 @@ import msgspec
 from backends._http1_transport import Http1Pool
 from backends._openai_wire import (
     StreamChunk,
+    UpstreamEmbeddings,
     UpstreamResponse,
     chat_logprobs,
     completion_logprobs,
@@ -157,8 +158,10 @@ class OpenAICompatBackend:
             )
         # Structured outputs pass through: the upstream (vLLM, SGLang...) enforces and
         # validates them, and its 400 comes back to the client with its message.
+        # Embeddings pass through to the upstream's /embeddings (``dimensions`` included:
+        # the upstream decides whether its model can shorten its vectors).
         self.capabilities = Capabilities(
-            logprobs=True, echo=True, structured_outputs=True, max_top_logprobs=20
+            logprobs=True, echo=True, structured_outputs=True, embeddings=True, max_top_logprobs=20
         )
         self._base_url = self.options.base_url.rstrip("/")
         #: For the native client: where the upstream listens and its API root's path.
@@ -246,7 +249,64 @@ class OpenAICompatBackend:
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream one choice from the upstream; closing the iterator closes the upstream stream."""
+        if request.kind == "embedding":
+            return self._embed(request)
         return self._generate(request)
+
+    async def _embed(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """``POST {base_url}/embeddings`` with every input, asking for base64 (the bytes the
+        gateway answers with); one chunk with the vectors in input order."""
+        body: dict[str, object] = {
+            "model": self.options.model or request.model,
+            "input": [list(i) if isinstance(i, tuple) else i for i in request.inputs or ()],
+            "encoding_format": "base64",
+        }
+        if request.dimensions is not None:
+            body["dimensions"] = request.dimensions
+        if request.user is not None:
+            body["user"] = request.user
+        headers = {"x-request-id": request.request_id}
+        if request.traceparent:
+            headers["traceparent"] = request.traceparent
+        config = self.config
+        started = time.monotonic()
+        total_deadline = earliest(
+            started + config.total_timeout if config.total_timeout is not None else None,
+            request.deadline,
+        )
+        first_deadline = earliest(
+            started + config.first_byte_timeout if config.first_byte_timeout is not None else None,
+            total_deadline,
+        )
+        response = await self._send("/embeddings", msgspec.json.encode(body), headers, first_deadline)
+        try:
+            if response.status_code != 200:
+                raise await self._status_error(response)
+            parts: list[bytes] = []
+            try:
+                with Deadline(total_deadline):
+                    async for data in response.aiter_bytes():
+                        parts.append(data)
+            except TimeoutError as exc:
+                raise UpstreamTimeoutError(f"backend {self.name!r}: the total timeout passed") from exc
+            except httpx.HTTPError as exc:
+                raise self._broken_error(False, f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            await response.aclose()
+        try:
+            answer = msgspec.json.decode(b"".join(parts), type=UpstreamEmbeddings)
+        except msgspec.DecodeError as exc:
+            raise UpstreamStatusError(f"backend {self.name!r}: the upstream's embeddings body is malformed: {exc}") from exc
+        num_inputs = len(request.inputs or ())
+        if len(answer.data) != num_inputs:
+            raise UpstreamStatusError(
+                f"backend {self.name!r}: the upstream returned {len(answer.data)} embeddings for {num_inputs} inputs"
+            )
+        vectors = tuple(item.to_bytes() for item in sorted(answer.data, key=lambda item: item.index))
+        prompt_tokens = answer.usage.prompt_tokens if answer.usage is not None else 0
+        yield GenerationChunk(
+            embeddings=vectors, finish_reason="stop", usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0)
+        )
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         path, body = request_body(request, model=self.options.model or request.model)

@@ -63,6 +63,9 @@ _DESCRIPTIONS = {
 _COMMON = ("431", "500", "default")
 _V1 = ("401", "403")
 _GENERATION = ("400", "404", "413", "429", "502", "503", "504")
+#: /tokenize and /detokenize: keyed like /v1/, answered by a backend but not admitted.
+_TOKEN_PATHS = ("/tokenize", "/detokenize")
+_TOKENS = ("400", "404", "413", "502", "503")
 
 
 def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]) -> None:
@@ -97,11 +100,13 @@ def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]
             if operation is None:
                 continue
             statuses = list(_COMMON)
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path in _TOKEN_PATHS:
                 statuses += _V1
                 operation.security = [{"apiKey": []}, {}]
             is_generation = operation.request_body is not None and path.startswith("/v1/")
-            if is_generation:
+            if path in _TOKEN_PATHS:
+                statuses += _TOKENS
+            elif is_generation:
                 statuses += _GENERATION
             else:
                 if operation.parameters:

@@ -6,6 +6,7 @@ from gateway.controllers.embedding import EMBEDDINGS
 from gateway.controllers.health import HealthController
 from gateway.controllers.metrics import MetricsController
 from gateway.controllers.model import ModelController
+from gateway.controllers.tokenize import TokenizeController
 from gateway.controllers.usage import UsageController
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "HealthController",
     "MetricsController",
     "ModelController",
+    "TokenizeController",
     "UsageController",
 ]
 
@@ -29,4 +31,5 @@ CONTROLLERS = (
     HealthController,
     MetricsController,
     UsageController,
+    TokenizeController,
 )

@@ -40,6 +40,12 @@ from gateway.schemas.embedding import (
     EmbeddingUsage,
 )
 from gateway.schemas.model import HealthResponse, ModelCard, ModelList, ReadinessResponse
+from gateway.schemas.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 __all__ = [
     "ChatChoice",
@@ -59,6 +65,8 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionRequest",
     "ContentPart",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "Embedding",
     "EmbeddingList",
     "EmbeddingRequest",
@@ -70,6 +78,8 @@ __all__ = [
     "ModelList",
     "PromptTokensDetails",
     "ReadinessResponse",
+    "TokenizeRequest",
+    "TokenizeResponse",
     "StreamOptions",
     "UsageInfo",
 ]
