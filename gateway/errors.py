@@ -116,14 +116,16 @@ def invalid_body_error(exc: msgspec.ValidationError) -> InvalidRequestError:
 
 
 def _validation_error(exc: ValidationException) -> InvalidRequestError:
-    # Litestar's signature model refused a query or path parameter.
+    # Litestar's signature model refused a query or path parameter, or a body's field.
     extra = exc.extra
     if isinstance(extra, list) and extra and isinstance(extra[0], dict):
         first = extra[0]
         message = str(first.get("message", exc.detail))
         key = first.get("key")
         param, reason = split_validation_message(message)
-        if isinstance(key, str):
+        if key == "data":  # the body (a POST controller's ``data``): name its field alone
+            pass
+        elif isinstance(key, str):
             param = key if param is None else f"{key}.{param}"
         return _invalid_value(param, reason, message)
     return InvalidRequestError(str(exc.detail) or "invalid request")

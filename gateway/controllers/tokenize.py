@@ -15,6 +15,7 @@ from typing import Any
 
 from litestar import Controller, Request, post
 from litestar.di import NamedDependency
+from litestar.params import JSONBody
 
 from backends.base import Backend, ChatMessage, GenerationRequest
 from backends.errors import InvalidRequestError, UnsupportedParameterError
@@ -51,7 +52,7 @@ class TokenizeController(Controller):
     async def tokenize(
         self,
         request: Request[Any, Any, Any],
-        data: TokenizeRequest,
+        data: JSONBody[TokenizeRequest],
         gateway: NamedDependency[GatewayState],
     ) -> TokenizeResponse:
         if (data.prompt is None) == (data.messages is None):
@@ -86,7 +87,7 @@ class TokenizeController(Controller):
     async def detokenize(
         self,
         request: Request[Any, Any, Any],
-        data: DetokenizeRequest,
+        data: JSONBody[DetokenizeRequest],
         gateway: NamedDependency[GatewayState],
     ) -> DetokenizeResponse:
         backend = _backend(request, gateway, data.model)
