@@ -18,8 +18,16 @@ from gateway.schemas.chat import (
     ChatTokenLogprob,
     ChatTopLogprob,
     ContentPart,
+    FunctionCall,
+    FunctionCallDelta,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallDeltaItem,
+    ToolCallParam,
+    ToolParam,
 )
 from gateway.schemas.common import (
+    CompletionTokensDetails,
     ErrorBody,
     ErrorResponse,
     PromptTokensDetails,
@@ -36,6 +44,7 @@ from gateway.schemas.completion import (
 from gateway.schemas.model import HealthResponse, ModelCard, ModelList, ReadinessResponse
 
 __all__ = [
+    "CompletionTokensDetails",
     "ChatChoice",
     "ChatChunkChoice",
     "ChatCompletion",
@@ -53,6 +62,13 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionRequest",
     "ContentPart",
+    "FunctionCall",
+    "FunctionCallDelta",
+    "NamedToolChoice",
+    "ToolCall",
+    "ToolCallDeltaItem",
+    "ToolCallParam",
+    "ToolParam",
     "ErrorBody",
     "ErrorResponse",
     "HealthResponse",
