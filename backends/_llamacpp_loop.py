@@ -297,7 +297,7 @@ class LlamaRunner:
         """Prepare the job's prompt and sampler and put it on the best slot."""
         request = job.request
         try:
-            tokens, prompt_text = self.model.prompt_tokens(request)
+            tokens, prompt_text = self.model.prompt_tokens(request, job.chat_text)
             if not tokens:
                 tokens = [self.model.bos_id]  # something must be evaluated to sample from
             max_tokens = self.check_context(request, len(tokens))
@@ -316,7 +316,8 @@ class LlamaRunner:
             self._reject(job, BackendError(f"llama.cpp generation failed: {exc}"))
             return
         proposer = None
-        if self._speculation is not None and job.matcher is None:  # constrained: no drafts
+        # Constrained or budgeted (the next token may be forced): no drafts.
+        if self._speculation is not None and job.matcher is None and job.thinking is None:
             proposer = NgramProposer(tokens, capacity=self.n_ctx, ngram_size=self._ngram_size)
         slot, num_shared = self._slots.acquire(tokens)
         # The last prompt token is always evaluated again: its logits are sampled from. Echo
@@ -477,10 +478,16 @@ class LlamaRunner:
         logprobs = None
         if seq.want_logprobs:
             logprobs = log_softmax(logits_row(self.ctx, last_row, self.model.n_vocab))
-        matcher = seq.job.matcher
+        thinking = seq.job.thinking
+        # A constraint applies once a thinking block (if any) is over.
+        matcher = seq.job.matcher if thinking is None or thinking.is_done else None
         if matcher is not None:  # the llguidance mask, written into the row the sampler reads
             mask_logits(matcher, logits_row(self.ctx, last_row, self.model.n_vocab), self.model.eog_ids)
         token = llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, last_row)
+        if thinking is not None:
+            forced = thinking.forced_token()  # a spent thinking budget: its end marker
+            token = forced if forced is not None else token
+            thinking.observe(token)
         if matcher is not None and not matcher.consume_token(token):
             logger.warning("backend %s: the constraint refused token %d (%s)", self.name, token, matcher.get_error())
         self.num_generated_tokens += 1

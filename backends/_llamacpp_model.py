@@ -15,8 +15,9 @@ import llama_cpp
 
 from backends._llamacpp_safety import apply_cpu_safety
 from backends.base import GenerationRequest
+from backends.chat_plan import ChatOptions, load_chat
 from backends.errors import InvalidRequestError
-from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from core_engine.chat.budget import ThinkingBudget, ThinkingParams
 
 __all__ = ["LlamaModel"]
 
@@ -30,7 +31,7 @@ class LlamaModel:
     Raises ``RuntimeError`` when llama.cpp cannot load the file.
     """
 
-    def __init__(self, path: Path, *, use_mmap: bool) -> None:
+    def __init__(self, path: Path, *, use_mmap: bool, chat: ChatOptions | None = None) -> None:
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -54,10 +55,8 @@ class LlamaModel:
         self._bos_text = self._special_text(self.metadata.get("tokenizer.ggml.bos_token_id"))
         eos_text = self._special_text(self.metadata.get("tokenizer.ggml.eos_token_id"))
         self.template_source = self.metadata.get("tokenizer.chat_template")
-        self.template = ChatTemplate(
-            self.template_source or FALLBACK_CHATML_TEMPLATE,
-            bos_token=self._bos_text,
-            eos_token=eos_text,
+        self.template, self.chat_format = load_chat(
+            chat, self.template_source, bos_token=self._bos_text, eos_token=eos_text
         )
 
     def close(self) -> None:
@@ -76,20 +75,11 @@ class LlamaModel:
 
     # -- prompt ---------------------------------------------------------------------------
 
-    def prompt_tokens(self, request: GenerationRequest) -> tuple[list[int], str]:
-        """Token ids and text of the request's prompt (chat rendered with the model template)."""
+    def prompt_tokens(self, request: GenerationRequest, chat_text: str | None = None) -> tuple[list[int], str]:
+        """Token ids and text of the request's prompt (``chat_text``: the rendered chat)."""
         if request.kind == "chat":
-            messages = [
-                {"role": m.role, "content": m.content}
-                | ({"name": m.name} if m.name is not None else {})
-                for m in request.messages or ()
-            ]
-            try:
-                text = self.template.render(
-                    messages, add_generation_prompt=request.add_generation_prompt
-                )
-            except ChatTemplateError as exc:
-                raise InvalidRequestError(str(exc), param="messages") from exc
+            assert chat_text is not None, "chats are rendered by backends.chat_plan"
+            text = chat_text
             add_bos = self.add_bos and not (self._bos_text and text.startswith(self._bos_text))
             return self.tokenize(text, add_bos=add_bos), text
         prompt = request.prompt
@@ -128,6 +118,11 @@ class LlamaModel:
             piece = self._token_to_piece(token, special=False)
             self._pieces[token] = piece
         return piece
+
+    def thinking_budget(self, params: ThinkingParams) -> ThinkingBudget:
+        """A request's thinking budget over this vocabulary (markers matched on bytes)."""
+        end_ids = self.tokenize(params.end, add_bos=False)
+        return ThinkingBudget(params, end_ids, lambda t: self._token_to_piece(t, special=True))
 
     def detokenize(self, tokens: list[int]) -> bytes:
         """The bytes of ``tokens`` (llama-cpp-python's rule: no leading space after BOS)."""

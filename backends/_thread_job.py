@@ -35,6 +35,10 @@ class ThreadJob:
         self.cancelled = threading.Event()
         #: The llguidance matcher of a constrained request (structured outputs), or None.
         self.matcher: Any = None
+        #: A chat request's prompt text (:class:`backends.chat_plan.ChatPlan`), and its
+        #: thinking budget (:class:`core_engine.chat.budget.ThinkingBudget`), or None.
+        self.chat_text: str | None = None
+        self.thinking: Any = None
 
     def send(self, item: GenerationChunk | BaseException | None) -> None:
         """Hand ``item`` to the event loop (thread-safe); a closed loop cancels the job."""

@@ -28,6 +28,8 @@ __all__ = [
     "SamplingParams",
     "SpeculationStats",
     "TokenLogprob",
+    "ToolCall",
+    "ToolCallDelta",
     "TopLogprob",
     "Usage",
 ]
@@ -35,12 +37,26 @@ __all__ = [
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls", "content_filter"]
 
 
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A function call an assistant turn made (``arguments``: JSON text, as the model wrote it)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
-    """One chat turn; ``content`` is plain text (content-part arrays are joined by the gateway)."""
+    """One chat turn; ``content`` is plain text (content-part arrays are joined by the gateway).
+
+    Roles: ``system``, ``user``, ``assistant`` (with ``tool_calls`` when it called tools) and
+    ``tool`` (a call's result, ``tool_call_id`` naming the call).
+    """
 
     role: str
     content: str
     name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,6 +115,21 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: ``json`` (a schema), ``json_object``, ``regex``, ``choice``, ``grammar``, and
     #: ``param``, the request field it came from. Native backends enforce it.
     structured_outputs: dict[str, Any] | None = None
+    #: Tools offered to the model (OpenAI tool objects ``{"type": "function", "function":
+    #: {"name", "description", "parameters"}}``), ``tool_choice`` normalised to ``none``,
+    #: ``auto``, ``required`` or ``function`` (then ``tool_function`` names it), and
+    #: ``parallel_tool_calls``. Native backends render, constrain and parse them
+    #: (:mod:`backends.chat_plan`); remotes get them passed through.
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: Literal["none", "auto", "required", "function"] = "auto"
+    tool_function: str | None = None
+    parallel_tool_calls: bool = True
+    #: Reasoning: the client's ``reasoning_effort`` and ``max_reasoning_tokens`` (passed to
+    #: remotes as sent), and the thinking budget native engines enforce (the explicit maximum,
+    #: or the effort's budget from ``[reasoning]``; None: no budget).
+    reasoning_effort: str | None = None
+    max_reasoning_tokens: int | None = None
+    reasoning_budget: int | None = None
     #: Incoming W3C trace context to propagate to remote backends.
     traceparent: str | None = None
     #: Free-form labels plugins may attach (routing hints, tenant tags).
@@ -135,6 +166,8 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     #: ``cached_tokens`` by the KV tier they came from ("device", "host", "disk"), for
     #: engines with KV tiers (tracing); None otherwise.
     cached_tokens_by_tier: dict[str, int] | None = None
+    #: Output tokens spent thinking (reasoning models); None when there is no reasoning.
+    reasoning_tokens: int | None = None
 
 
 class EnginePhases(msgspec.Struct, frozen=True, kw_only=True):
@@ -169,10 +202,26 @@ class SpeculationStats(msgspec.Struct, frozen=True, kw_only=True):
         return self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
+class ToolCallDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """A piece of one tool call, as OpenAI streams it: the first piece of call ``index``
+    has its ``id`` and ``name``, the next ones ``arguments`` fragments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
-    """A piece of output. Text deltas are already detokenized (never split a UTF-8 char)."""
+    """A piece of output. Text deltas are already detokenized (never split a UTF-8 char).
+
+    On chat requests ``text`` is the answer's content; ``reasoning`` the thinking of a
+    reasoning model and ``tool_calls`` the calls, both already split out of the model's text.
+    """
 
     text: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
     token_ids: tuple[int, ...] = ()
     #: How many output tokens the chunk carries when ``token_ids`` does not say; None: one
     #: per chunk of text (an HTTP upstream's events that arrived together, merged for an

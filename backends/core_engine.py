@@ -40,6 +40,7 @@ from backends.base import (
     Usage,
 )
 from backends.base import SamplingParams as WireParams
+from backends.chat_plan import ChatOptions, ChatPlan, load_chat, plan_chat
 from backends.errors import (
     BackendConfigError,
     BackendError,
@@ -49,7 +50,8 @@ from backends.errors import (
     InvalidRequestError,
     UnsupportedParameterError,
 )
-from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from core_engine.chat.formats import ChatFormat
+from core_engine.chat.template import ChatTemplate, ChatTemplateError
 
 __all__ = [
     "KV_DECODE_LABEL",
@@ -159,6 +161,9 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     #: before the LM head) become its vector, which is then L2-normalised: "mean" over its
     #: tokens, or "last" (its last token's, as embedding models trained that way expect).
     embedding_pooling: Literal["mean", "last"] = "mean"
+    #: Chat formatting: a template file instead of the model's, tool-call and reasoning
+    #: formats when the template does not show them (:class:`backends.chat_plan.ChatOptions`).
+    chat: ChatOptions | None = None
 
     def __post_init__(self) -> None:
         # A combination no CPU runs is refused when the config is read (torch is not needed).
@@ -205,6 +210,7 @@ class CoreEngineBackend:
             logprobs=True,
             echo=True,
             structured_outputs=True,
+            tools=True,
             max_top_logprobs=20,
             # A tensor-parallel rank 0 holds a shard of the hidden state: no embeddings there.
             embeddings=self.options.tensor_parallel_size == 1,
@@ -212,6 +218,7 @@ class CoreEngineBackend:
         )
         self._llm: Any | None = None  # AsyncLLM
         self._template: ChatTemplate | None = None
+        self._chat_format = ChatFormat()
         self._bos_text = ""
         self._model_path: Path | None = None
         self._pieces: dict[int, bytes] = {}
@@ -390,13 +397,14 @@ class CoreEngineBackend:
         tokenizer = llm.engine.tokenizer
         self._bos_text = self._special_text(tokenizer, tokenizer.bos_token_id)
         try:
-            self._template = ChatTemplate(
-                tokenizer.chat_template or FALLBACK_CHATML_TEMPLATE,
+            self._template, self._chat_format = load_chat(
+                self.options.chat,
+                tokenizer.chat_template,
                 bos_token=self._bos_text,
                 eos_token=self._special_text(tokenizer, tokenizer.eos_token_id),
             )
         except ChatTemplateError as exc:
-            raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
+            raise BackendConfigError(f"backend {self.name!r}: {exc}") from exc
         return llm
 
     @staticmethod
@@ -502,6 +510,8 @@ class CoreEngineBackend:
             return self._tokenize(request)
         if KV_PREFILL_LABEL in request.labels:
             return self._prefill_only(request, request.labels[KV_PREFILL_LABEL])
+        if request.kind == "chat":
+            return self._chat(request)
         return self._generate(request)
 
     async def _tokenize(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
@@ -520,7 +530,12 @@ class CoreEngineBackend:
             yield GenerationChunk(text=text, finish_reason="stop", usage=Usage(prompt_tokens=len(ids), completion_tokens=0))
             return
         as_prompt = msgspec.structs.replace(request, kind="chat" if request.messages is not None else "completion")
-        prompt_ids, _ = self._prompt(as_prompt, tokenizer, vocab_size)
+        plan = None
+        if as_prompt.kind == "chat":
+            if self._template is None:
+                raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+            plan = plan_chat(as_prompt, self._template, self._chat_format)
+        prompt_ids, _ = self._prompt(as_prompt, tokenizer, vocab_size, plan)
         yield GenerationChunk(
             token_ids=tuple(prompt_ids), finish_reason="stop", usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)
         )
@@ -561,6 +576,12 @@ class CoreEngineBackend:
             finish_reason="stop",
             usage=Usage(prompt_tokens=sum(len(ids) for ids in token_ids), completion_tokens=0),
         )
+    async def _chat(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        if self._template is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        plan = plan_chat(request, self._template, self._chat_format)
+        async for chunk in plan.parse(self._generate(request, plan)):
+            yield chunk
 
     def _transfer_end(self, end: Any, role: str) -> Any:
         if end is None:
@@ -578,7 +599,8 @@ class CoreEngineBackend:
         if llm is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         sender = self._transfer_end(self._kv_sender, "prefill")
-        prompt_ids, _ = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size)
+        plan = plan_chat(request, self._template, self._chat_format) if request.kind == "chat" else None
+        prompt_ids, _ = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size, plan)
         params = self._engine_params(request.params, request.kind == "completion")
         self._counter += 1
         req_id = f"{request.request_id}-{request.choice_index}-prefill-{self._counter}"
@@ -611,7 +633,9 @@ class CoreEngineBackend:
             usage=Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=1, cached_tokens=last.num_cached_tokens),
         )
 
-    async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def _generate(
+        self, request: GenerationRequest, plan: ChatPlan | None = None
+    ) -> AsyncIterator[GenerationChunk]:
         from core_engine.errors import EngineDeadError, InvalidParamError, RequestTooLongError
 
         llm = self._llm
@@ -619,8 +643,13 @@ class CoreEngineBackend:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         params = request.params
         prompt_param = "messages" if request.kind == "chat" else "prompt"
-        prompt_ids, prompt_text = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size)
-        engine_params = self._engine_params(params, request.kind == "completion", request.structured_outputs)
+        prompt_ids, prompt_text = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size, plan)
+        engine_params = self._engine_params(
+            params,
+            request.kind == "completion",
+            plan.structured_outputs if plan is not None else request.structured_outputs,
+            plan.thinking if plan is not None else None,
+        )
         self._counter += 1
         req_id = f"{request.request_id}-{request.choice_index}-{self._counter}"
         want_logprobs = params.logprobs or params.top_logprobs > 0
@@ -707,17 +736,11 @@ class CoreEngineBackend:
         except KVTransferError as exc:
             raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
 
-    def _prompt(self, request: GenerationRequest, tokenizer: Any, vocab_size: int) -> tuple[list[int], str]:
-        if request.kind == "chat":
-            assert self._template is not None
-            messages = [
-                {"role": m.role, "content": m.content} | ({"name": m.name} if m.name is not None else {})
-                for m in request.messages or ()
-            ]
-            try:
-                text = self._template.render(messages, add_generation_prompt=request.add_generation_prompt)
-            except ChatTemplateError as exc:
-                raise InvalidRequestError(str(exc), param="messages") from exc
+    def _prompt(
+        self, request: GenerationRequest, tokenizer: Any, vocab_size: int, plan: ChatPlan | None
+    ) -> tuple[list[int], str]:
+        if plan is not None:
+            text = plan.text
             add_bos = not (self._bos_text and text.startswith(self._bos_text))
             return tokenizer.encode(text, add_special=add_bos, parse_special=True), text
         prompt = request.prompt
@@ -735,7 +758,9 @@ class CoreEngineBackend:
         return ids, text
 
     @staticmethod
-    def _engine_params(params: WireParams, is_completion: bool, structured: dict[str, Any] | None = None) -> Any:
+    def _engine_params(
+        params: WireParams, is_completion: bool, structured: dict[str, Any] | None = None, thinking: Any = None
+    ) -> Any:
         from core_engine.errors import InvalidParamError
         from core_engine.sampling_params import SamplingParams
         from core_engine.structured import StructuredOutput
@@ -745,6 +770,7 @@ class CoreEngineBackend:
             constraint = None if structured is None else StructuredOutput.from_request(structured)
             return SamplingParams(
                 structured_outputs=constraint,
+                thinking=thinking,
                 max_tokens=params.max_tokens,
                 temperature=params.temperature,
                 top_p=params.top_p,

@@ -13,7 +13,7 @@ the worker checks before every step, so an abandoned request leaves the batch wi
 decode step.
 
 The chat template comes from the GGUF metadata (``tokenizer.chat_template``), rendered in
-the sandbox of :mod:`core_engine.chat_template`. Each slot keeps the tokens of its last
+the sandbox of :mod:`core_engine.chat.template`. Each slot keeps the tokens of its last
 request in the KV cache; a new prompt goes to the free slot sharing the longest prefix with
 it, skips that prefix, and the number of skipped tokens is reported as ``cached_tokens``.
 
@@ -50,12 +50,14 @@ from backends.base import (
     ModelInfo,
     Usage,
 )
+from backends.chat_plan import ChatOptions, plan_chat
 from backends.errors import (
     BackendConfigError,
     BackendUnavailableError,
     InvalidRequestError,
     UnsupportedParameterError,
 )
+from core_engine.chat.template import ChatTemplateError
 from core_engine.policy import EnginePolicies, SpeculationMethod
 
 if TYPE_CHECKING:
@@ -120,6 +122,8 @@ class LlamaCppOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     #: ``POST /v1/embeddings``: llama.cpp's pooling of a sequence's final hidden states
     #: ("mean" or "last"), L2-normalised; run in a second context created on first use.
     embedding_pooling: Literal["mean", "last"] = "mean"
+    #: Chat formatting (:class:`backends.chat_plan.ChatOptions`).
+    chat: ChatOptions | None = None
 
 
 class LlamaCppBackend:
@@ -147,6 +151,7 @@ class LlamaCppBackend:
             logprobs=True,
             echo=True,
             structured_outputs=True,
+            tools=True,
             embeddings=True,
             tokenize=True,
             max_top_logprobs=20,
@@ -244,7 +249,9 @@ class LlamaCppBackend:
             logging.DEBUG if options.verbose else logging.ERROR
         )
         try:
-            model = LlamaModel(path, use_mmap=options.use_mmap)
+            model = LlamaModel(path, use_mmap=options.use_mmap, chat=options.chat)
+        except ChatTemplateError as exc:
+            raise BackendConfigError(f"backend {self.name!r}: {exc}") from exc
         except (ValueError, RuntimeError, OSError) as exc:
             raise BackendUnavailableError(
                 f"backend {self.name!r}: llama.cpp could not load {path}: {exc}"
@@ -353,7 +360,10 @@ class LlamaCppBackend:
         as_prompt = msgspec.structs.replace(
             request, kind="chat" if request.messages is not None else "completion"
         )
-        tokens, _ = model.prompt_tokens(as_prompt)
+        chat_text = None
+        if as_prompt.kind == "chat":
+            chat_text = plan_chat(as_prompt, model.template, model.chat_format).text
+        tokens, _ = model.prompt_tokens(as_prompt, chat_text)
         usage = Usage(prompt_tokens=len(tokens), completion_tokens=0)
         yield GenerationChunk(token_ids=tuple(tokens), finish_reason="stop", usage=usage)
 
@@ -395,11 +405,19 @@ class LlamaCppBackend:
         if runner is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         job = ThreadJob(request, asyncio.get_running_loop())
-        if request.structured_outputs is not None:
+        structured = request.structured_outputs
+        plan = None
+        if request.kind == "chat":
+            plan = plan_chat(request, runner.model.template, runner.model.chat_format)
+            job.chat_text, structured = plan.text, plan.structured_outputs
+            if plan.thinking is not None:
+                job.thinking = runner.model.thinking_budget(plan.thinking)
+        if structured is not None:
             # Compiled here, off the batch loop's thread (cached by constraint).
-            job.matcher = await asyncio.to_thread(self._compile, runner, request.structured_outputs)
+            job.matcher = await asyncio.to_thread(self._compile, runner, structured)
         runner.submit(job)
-        async for chunk in drain(job):
+        chunks = drain(job)
+        async for chunk in (plan.parse(chunks) if plan is not None else chunks):
             yield chunk
 
     def _compile(self, runner: LlamaRunner, structured: dict[str, Any]) -> Any:

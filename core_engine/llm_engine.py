@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
+from core_engine.chat.budget import ThinkingBudget, ThinkingParams
 from core_engine.config import EngineConfig, resolve_dtype
 from core_engine.errors import InvalidParamError, RequestTooLongError
 from core_engine.kv_cache_manager import KVCacheManager
@@ -459,9 +460,17 @@ class LLMEngine:
         )
         if params.structured_outputs is not None:
             request.matcher = self.grammars.compile(params.structured_outputs)
+        if params.thinking is not None:
+            request.thinking = self.thinking_budget(params.thinking)
         if params.seed is not None and params.temperature > 0.0:
             request.generator = torch.Generator(device=self.model_runner.device).manual_seed(params.seed)
         return request
+
+    def thinking_budget(self, params: ThinkingParams) -> ThinkingBudget:
+        """The per-request state of a thinking budget, over this engine's tokenizer."""
+        tokenizer = self.tokenizer
+        end_ids = tokenizer.encode(params.end, add_special=False, parse_special=True)
+        return ThinkingBudget(params, end_ids, lambda t: tokenizer.token_to_bytes(t, skip_special=False))
 
     def add_request(
         self,

@@ -182,9 +182,8 @@ class ModelRunner:
 
         sample_reqs = [scheduled[i].request for i in sample_items]
         # Constrained rows' masks are computed on llguidance's threads while the model runs.
-        masks = self.token_masks.start([r.matcher for r in sample_reqs]) if any(
-            r.matcher is not None for r in sample_reqs
-        ) else None
+        matchers = [r.active_matcher for r in sample_reqs]
+        masks = self.token_masks.start(matchers) if any(m is not None for m in matchers) else None
         batch = ForwardBatch(
             input_ids, positions, decodes, prefills, logits_indices,
             compiled=self._decode_forward is not None and not prefills and not spec_items,
@@ -203,11 +202,16 @@ class ModelRunner:
                 metadata.token_bitmask = masks.result()
                 metadata.fallback_token_ids = self.eos_token_ids
             out = self.sampler(rows, metadata)
+            for j, request in enumerate(sample_reqs):
+                # A spent thinking budget: the end-of-thinking marker replaces the sample.
+                forced = request.thinking.forced_token() if request.thinking is not None else None
+                if forced is not None:
+                    out.sampled_token_ids[j] = forced
             if masks is not None:
-                for request, token in zip(sample_reqs, out.sampled_token_ids, strict=True):
-                    if request.matcher is not None and not request.matcher.consume_token(token):
+                for matcher, request, token in zip(matchers, sample_reqs, out.sampled_token_ids, strict=True):
+                    if matcher is not None and not matcher.consume_token(token):
                         logger.warning("request %s: the constraint refused token %d (%s)", request.req_id,
-                                       token, request.matcher.get_error())
+                                       token, matcher.get_error())
             if out.logprobs is not None:
                 logprobs = [None] * len(scheduled)
             for j, i in enumerate(sample_items):

@@ -85,6 +85,9 @@ class Request:
         self.generator: Any = None
         #: The llguidance matcher of a constrained request (``SamplingParams.structured_outputs``).
         self.matcher: Any = None
+        #: The thinking budget (``SamplingParams.thinking``), a
+        #: :class:`~core_engine.chat.budget.ThinkingBudget`; its constraint waits for it.
+        self.thinking: Any = None
         #: Chained hashes of the full blocks of ``all_token_ids`` (the prefix cache's keys).
         self.block_hashes: list[bytes] = []
         #: KV tiers: cached prompt tokens by the tier they came from ("device", "host",
@@ -132,9 +135,18 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
 
+    @property
+    def active_matcher(self) -> Any:
+        """The constraint's matcher once it applies (after a thinking block), else None."""
+        if self.matcher is None or (self.thinking is not None and not self.thinking.is_done):
+            return None
+        return self.matcher
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.thinking is not None:
+            self.thinking.observe(token_id)
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set a ``FINISHED_*`` status if the last token ends the request; True if it did."""

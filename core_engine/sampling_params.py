@@ -6,6 +6,7 @@ import math
 
 import msgspec
 
+from core_engine.chat.budget import ThinkingParams
 from core_engine.errors import InvalidParamError
 from core_engine.structured.spec import StructuredOutput
 
@@ -53,6 +54,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     #: Constrain the output to a JSON schema, regex, choice or grammar
     #: (:mod:`core_engine.structured`); None: unconstrained.
     structured_outputs: StructuredOutput | None = None
+    #: A thinking budget (:mod:`core_engine.chat.budget`): the end-of-thinking marker is
+    #: forced after ``budget`` reasoning tokens, and a constraint applies from there on.
+    thinking: ThinkingParams | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

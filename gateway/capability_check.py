@@ -55,6 +55,8 @@ def unsupported_parameter(
     elif request.structured_outputs is not None and not capabilities.structured_outputs:
         field = request.structured_outputs["param"]
         refused = (field, f"structured outputs ({field})")
+    elif request.tools and request.tool_choice != "none" and not capabilities.tools:
+        refused = ("tools", "tool calling")
     if refused is None:
         return None
     param, what = refused

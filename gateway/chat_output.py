@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from backends.base import GenerationChunk, TokenLogprob
+from backends.base import GenerationChunk, TokenLogprob, ToolCallDelta
 from gateway.choice_run import ChoiceRun
 from gateway.schemas import (
     ChatChoice,
@@ -18,6 +18,10 @@ from gateway.schemas import (
     ChatResponseMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDeltaItem,
     UsageInfo,
 )
 from gateway.sse import data_frame
@@ -52,6 +56,17 @@ def chat_logprobs(entries: Sequence[TokenLogprob], top_logprobs: int) -> ChatLog
     )
 
 
+def _tool_call_delta(delta: ToolCallDelta) -> ToolCallDeltaItem:
+    if delta.id is not None:  # a call's first piece: its id and name
+        return ToolCallDeltaItem(
+            index=delta.index,
+            id=delta.id,
+            type="function",
+            function=FunctionCallDelta(name=delta.name or "", arguments=delta.arguments),
+        )
+    return ToolCallDeltaItem(index=delta.index, function=FunctionCallDelta(arguments=delta.arguments))
+
+
 class ChatOutput:
     """Accumulates one chat request's output; builds the body or the stream frames."""
 
@@ -74,6 +89,9 @@ class ChatOutput:
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
         self._texts: list[list[str]] = [[] for _ in range(num_choices)]
+        self._reasoning: list[list[str]] = [[] for _ in range(num_choices)]
+        #: Per choice: call index -> [id, name, argument fragments...].
+        self._calls: list[dict[int, list[str]]] = [{} for _ in range(num_choices)]
         self._entries: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
 
     # -- one body -------------------------------------------------------------------------
@@ -82,6 +100,11 @@ class ChatOutput:
         """Keep a chunk for :meth:`body`."""
         if chunk.text:
             self._texts[position].append(chunk.text)
+        if chunk.reasoning:
+            self._reasoning[position].append(chunk.reasoning)
+        for delta in chunk.tool_calls:
+            call = self._calls[position].setdefault(delta.index, [delta.id or "", delta.name or ""])
+            call.append(delta.arguments)
         if self.logprobs and chunk.logprobs:
             self._entries[position].extend(chunk.logprobs)
 
@@ -90,7 +113,7 @@ class ChatOutput:
         choices = [
             ChatChoice(
                 index=position,
-                message=ChatResponseMessage(content="".join(self._texts[position])),
+                message=self._message(position),
                 logprobs=chat_logprobs(self._entries[position], self.top_logprobs)
                 if self.logprobs
                 else None,
@@ -106,6 +129,21 @@ class ChatOutput:
             usage=run.total_usage(),
         )
 
+    def _message(self, position: int) -> ChatResponseMessage:
+        text = "".join(self._texts[position])
+        calls = self._calls[position]
+        reasoning = self._reasoning[position]
+        return ChatResponseMessage(
+            content=None if calls and not text else text,
+            reasoning_content="".join(reasoning) if reasoning else msgspec.UNSET,
+            tool_calls=[
+                ToolCall(id=call[0], function=FunctionCall(name=call[1], arguments="".join(call[2:])))
+                for _, call in sorted(calls.items())
+            ]
+            if calls
+            else msgspec.UNSET,
+        )
+
     # -- stream frames --------------------------------------------------------------------
 
     def start_frames(self) -> bytes:
@@ -119,11 +157,15 @@ class ChatOutput:
         """A content delta and/or a finish frame for one backend chunk (may be empty)."""
         frames = b""
         has_logprobs = self.logprobs and bool(chunk.logprobs)
-        if chunk.text or has_logprobs:
+        if chunk.text or chunk.reasoning or chunk.tool_calls or has_logprobs:
             frames += self._frame(
                 ChatChunkChoice(
                     index=position,
-                    delta=ChatDelta(content=chunk.text),
+                    delta=ChatDelta(
+                        content=chunk.text if chunk.text or not (chunk.reasoning or chunk.tool_calls) else msgspec.UNSET,
+                        reasoning_content=chunk.reasoning or msgspec.UNSET,
+                        tool_calls=[_tool_call_delta(d) for d in chunk.tool_calls] if chunk.tool_calls else msgspec.UNSET,
+                    ),
                     logprobs=chat_logprobs(chunk.logprobs or (), self.top_logprobs)
                     if has_logprobs
                     else None,

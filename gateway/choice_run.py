@@ -33,7 +33,7 @@ from backends.errors import (
 )
 from gateway.errors import to_infermux_error
 from gateway.request_outcome import RequestClock, failure_summary, run_summary
-from gateway.schemas import PromptTokensDetails, UsageInfo
+from gateway.schemas import CompletionTokensDetails, PromptTokensDetails, UsageInfo
 
 if TYPE_CHECKING:
     from gateway.router import ModelRouter, RoutedStream
@@ -293,11 +293,14 @@ class ChoiceRun:
         prompt_tokens = 0
         completion_tokens = 0
         cached: int | None = None
+        reasoning: int | None = None
         for position, choice in enumerate(self.choices):
             usage = choice.usage
             if usage is None:
                 continue
             completion_tokens += usage.completion_tokens
+            if usage.reasoning_tokens is not None:
+                reasoning = (reasoning or 0) + usage.reasoning_tokens
             if position % self.n == 0:
                 prompt_tokens += usage.prompt_tokens
                 if usage.cached_tokens is not None:
@@ -309,6 +312,9 @@ class ChoiceRun:
             prompt_tokens_details=None
             if cached is None
             else PromptTokensDetails(cached_tokens=cached),
+            completion_tokens_details=None
+            if reasoning is None
+            else CompletionTokensDetails(reasoning_tokens=reasoning),
         )
 
     async def aclose(self) -> None:
@@ -384,7 +390,7 @@ class ChoiceRun:
 
 
 def _account(choice: ChoiceState, chunk: GenerationChunk) -> None:
-    if chunk.token_ids or chunk.text:
+    if chunk.token_ids or chunk.text or chunk.reasoning or chunk.tool_calls:
         choice.num_streamed_tokens += chunk.token_count or len(chunk.token_ids) or 1
         now = time.monotonic()
         if choice.last_output_at is not None:

@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -34,6 +34,7 @@ __all__ = [
     "LimitsConfig",
     "ModelConfig",
     "PluginsConfig",
+    "ReasoningConfig",
     "ServerConfig",
     "check_registered_names",
     "config_from_dict",
@@ -127,6 +128,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: ``response_format`` as JSON, in bytes, and its deepest nesting.
     max_response_format_bytes: Annotated[int, msgspec.Meta(ge=64)] = 64 * 1024
     max_response_format_depth: Annotated[int, msgspec.Meta(ge=2)] = 32
+    #: Tools offered per chat request (each one's ``parameters`` is held to the two
+    #: ``response_format`` caps above).
+    max_tools: Annotated[int, msgspec.Meta(ge=1)] = 128
     #: Generation requests served at once; more wait in a queue ...
     max_concurrent_requests: Annotated[int, msgspec.Meta(ge=1)] = 256
     #: ... of this length (full: 503 server_is_overloaded) ...
@@ -159,6 +163,18 @@ class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     keys: list[ApiKeyConfig] = []
 
 
+ReasoningEffort = Literal["minimal", "low", "medium", "high"]
+
+
+class ReasoningConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[reasoning]``: thinking budgets (reasoning tokens) a chat's ``reasoning_effort``
+    stands for on native backends; ``max_reasoning_tokens`` in a request overrides it."""
+
+    effort_budgets: dict[ReasoningEffort, Annotated[int, msgspec.Meta(ge=0)]] = msgspec.field(
+        default_factory=lambda: {"minimal": 0, "low": 256, "medium": 1024, "high": 4096}
+    )
+
+
 class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole routing config."""
 
@@ -167,6 +183,7 @@ class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     models: list[ModelConfig] = []
     plugins: PluginsConfig = PluginsConfig()
     limits: LimitsConfig = LimitsConfig()
+    reasoning: ReasoningConfig = ReasoningConfig()
     auth: AuthConfig = AuthConfig()
     #: Traces, metrics export and SLOs (gateway/observability_config.py).
     telemetry: TelemetryConfig = TelemetryConfig()

@@ -109,6 +109,7 @@ async def _serve(
         RequestContext(
             request_id=request_id,
             limits=config.limits,
+            reasoning=config.reasoning,
             traceparent=headers.get("traceparent"),
             labels=header_labels(headers, config.plugins.request_headers),
         ),

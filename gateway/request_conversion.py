@@ -13,12 +13,12 @@ from typing import Any
 
 import msgspec
 
-from backends.base import ChatMessage, GenerationRequest, SamplingParams
+from backends.base import ChatMessage, GenerationRequest, SamplingParams, ToolCall
 from backends.errors import InvalidRequestError, UnsupportedParameterError
-from gateway.config import LimitsConfig
+from gateway.config import LimitsConfig, ReasoningConfig
 from gateway.response_format import checked_response_format
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.structured_outputs import structured_outputs_of
+from gateway.structured_outputs import bounded_json, structured_outputs_of
 
 __all__ = [
     "SMUGGLING_FIELDS",
@@ -41,6 +41,7 @@ _ROLE_ALIASES = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
 
 #: OpenAI's documented default for the legacy completions endpoint.
@@ -81,6 +82,7 @@ class RequestContext(msgspec.Struct, frozen=True, kw_only=True):
 
     request_id: str
     limits: LimitsConfig
+    reasoning: ReasoningConfig = ReasoningConfig()
     traceparent: str | None = None
     #: The allow-listed request headers (``[plugins] request_headers``).
     labels: dict[str, str] = {}
@@ -97,8 +99,6 @@ def chat_generation_requests(
     """One request per choice of a chat completion."""
     request_id, limits = context.request_id, context.limits
     _check_model(body.model)
-    if body.tools:
-        raise UnsupportedParameterError("tools are not supported by infermux yet", param="tools")
     if len(body.messages) > limits.max_messages:
         raise InvalidRequestError(
             f"at most {limits.max_messages} messages are allowed per request", param="messages"
@@ -127,6 +127,17 @@ def chat_generation_requests(
     n = _choice_count(body.n, 1, limits)
     _check_stream_options(body.stream, body.stream_options is not None)
     response_format = checked_response_format(body.response_format, limits)
+    structured = structured_outputs_of(body, response_format, limits)
+    tools, tool_choice, tool_function = _tools(body, limits)
+    if structured is not None and tool_choice in ("required", "function"):
+        raise InvalidRequestError(
+            f"tool_choice {tool_choice!r} forces a tool call, which {structured['param']} cannot also "
+            "constrain; send one of them",
+            param="tool_choice",
+        )
+    budget = body.max_reasoning_tokens
+    if budget is None and body.reasoning_effort is not None:
+        budget = context.reasoning.effort_budgets.get(body.reasoning_effort)
     template = GenerationRequest(
         request_id=request_id,
         model=body.model,
@@ -136,7 +147,14 @@ def chat_generation_requests(
         stream=bool(body.stream),
         user=body.user,
         response_format=response_format,
-        structured_outputs=structured_outputs_of(body, response_format, limits),
+        structured_outputs=structured,
+        tools=tools,
+        tool_choice=tool_choice,
+        tool_function=tool_function,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        reasoning_effort=body.reasoning_effort,
+        max_reasoning_tokens=body.max_reasoning_tokens,
+        reasoning_budget=budget,
         traceparent=context.traceparent,
         labels=dict(context.labels),
     )
@@ -222,12 +240,56 @@ def _check_model(model: str) -> None:
         raise InvalidRequestError("model must name a model (see GET /v1/models)", param="model")
 
 
+def _tools(
+    body: ChatCompletionRequest, limits: LimitsConfig
+) -> tuple[tuple[dict[str, Any], ...], Any, str | None]:
+    """The offered tools as plain dicts, ``tool_choice`` normalised, the named function."""
+    tools = body.tools or []
+    if len(tools) > limits.max_tools:
+        raise InvalidRequestError(f"at most {limits.max_tools} tools are allowed per request", param="tools")
+    names: set[str] = set()
+    offered = []
+    for i, tool in enumerate(tools):
+        function = tool.function
+        if function.name in names:
+            raise InvalidRequestError(f"two tools are named {function.name!r}", param=f"tools[{i}].function.name")
+        names.add(function.name)
+        if function.parameters is not None:
+            bounded_json(function.parameters, f"tools[{i}].function.parameters", limits)
+        offered.append(msgspec.to_builtins(tool))
+    choice = body.tool_choice
+    if choice is None:
+        return tuple(offered), ("auto" if offered else "none"), None
+    if isinstance(choice, str):
+        if choice == "required" and not offered:
+            raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
+        return tuple(offered), choice, None
+    name = choice.function.name
+    if name not in names:
+        raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
+    return tuple(offered), "function", name
+
+
 def _chat_message(index: int, message: Any) -> ChatMessage:
     role = _ROLE_ALIASES.get(message.role)
     if role is None:
         raise InvalidRequestError(
-            f"unsupported role {message.role!r}; use system, developer, user or assistant",
+            f"unsupported role {message.role!r}; use system, developer, user, assistant or tool",
             param=f"messages[{index}].role",
+        )
+    tool_calls: tuple[ToolCall, ...] = ()
+    if message.tool_calls:
+        if role != "assistant":
+            raise InvalidRequestError(
+                "only assistant messages carry tool_calls", param=f"messages[{index}].tool_calls"
+            )
+        tool_calls = tuple(
+            ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments)
+            for call in message.tool_calls
+        )
+    if role == "tool" and not message.tool_call_id:
+        raise InvalidRequestError(
+            "a tool message needs the tool_call_id of the call it answers", param=f"messages[{index}].tool_call_id"
         )
     content = message.content
     if content is None:
@@ -248,7 +310,13 @@ def _chat_message(index: int, message: Any) -> ChatMessage:
                 )
             texts.append(part.text)
         text = "\n".join(texts)
-    return ChatMessage(role=role, content=text, name=message.name)
+    return ChatMessage(
+        role=role,
+        content=text,
+        name=message.name,
+        tool_calls=tool_calls,
+        tool_call_id=message.tool_call_id if role == "tool" else None,
+    )
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | tuple[int, ...]]:

@@ -144,11 +144,14 @@ def _total_usage(choices: Sequence[ChoiceSummary], n: int) -> Usage:
     prompt_tokens = completion_tokens = 0
     cached: int | None = None
     by_tier: dict[str, int] | None = None
+    reasoning: int | None = None
     for position, choice in enumerate(choices):
         usage = choice.usage
         if usage is None:
             continue
         completion_tokens += usage.completion_tokens
+        if usage.reasoning_tokens is not None:
+            reasoning = (reasoning or 0) + usage.reasoning_tokens
         if position % n == 0:
             prompt_tokens += usage.prompt_tokens
             if usage.cached_tokens is not None:
@@ -162,6 +165,7 @@ def _total_usage(choices: Sequence[ChoiceSummary], n: int) -> Usage:
         completion_tokens=completion_tokens,
         cached_tokens=cached,
         cached_tokens_by_tier=by_tier,
+        reasoning_tokens=reasoning,
     )
 
 

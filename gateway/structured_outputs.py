@@ -18,7 +18,7 @@ import msgspec
 from backends.errors import InvalidRequestError
 from gateway.config import LimitsConfig
 
-__all__ = ["EXTENSION_FIELDS", "structured_outputs_of"]
+__all__ = ["EXTENSION_FIELDS", "bounded_json", "structured_outputs_of"]
 
 #: Request field -> the normalised key it fills (``structured_outputs`` carries its own).
 EXTENSION_FIELDS: dict[str, str | None] = {
@@ -31,7 +31,8 @@ EXTENSION_FIELDS: dict[str, str | None] = {
 _KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _bounded(value: Any, param: str, limits: LimitsConfig) -> None:
+def bounded_json(value: Any, param: str, limits: LimitsConfig) -> None:
+    """400 naming ``param`` for JSON larger or deeper than the ``response_format`` caps."""
     size = len(msgspec.json.encode(value))
     if size > limits.max_response_format_bytes:
         raise InvalidRequestError(
@@ -86,7 +87,7 @@ def structured_outputs_of(
             return {"json_object": True, "param": field}
         # A json_schema without a schema constrains to any JSON value.
         return {"json": value["json_schema"].get("schema") or {}, "param": field}
-    _bounded(value, field, limits)
+    bounded_json(value, field, limits)
     key = EXTENSION_FIELDS[field]
     if key is not None:
         return {key: _checked(key, value, field), "param": field}

@@ -36,6 +36,7 @@ from backends.base import (
     HealthStatus,
     ModelInfo,
 )
+from backends.chat_plan import ChatOptions, ChatPlan, plan_chat
 from backends.errors import (
     BackendUnavailableError,
     GenerationAbortedError,
@@ -74,6 +75,8 @@ class MLXOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     seed: int | None = None
     #: ``model_info().id`` (default: the file or directory name, without ``.gguf``).
     model_id: str | None = None
+    #: Chat formatting (:class:`backends.chat_plan.ChatOptions`).
+    chat: ChatOptions | None = None
 
 
 class MLXBackend:
@@ -99,6 +102,7 @@ class MLXBackend:
             logprobs=True,
             echo=False,
             structured_outputs=True,
+            tools=True,
             max_top_logprobs=_MAX_TOP_LOGPROBS,
         )
         self._executor: ThreadPoolExecutor | None = None
@@ -203,6 +207,7 @@ class MLXBackend:
             prefill_step_size=self.options.prefill_step_size,
             use_prompt_cache=self.options.prompt_cache,
             default_seed=self.options.seed,
+            chat=self.options.chat,
         )
 
     def model_info(self) -> ModelInfo:
@@ -264,14 +269,21 @@ class MLXBackend:
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._check_supported(request)
+        runner = self._runner
+        plan = None
+        if request.kind == "chat" and runner is not None:
+            plan = plan_chat(request, runner.template, runner.chat_format)
+            runner = _PlannedRunner(runner, plan)
         stream = stream_job(
             request,
             backend_name=self.name,
-            runner=self._runner,
+            runner=runner,
             executor=self._executor,
             jobs=self._jobs,
             library="MLX",
         )
+        if plan is not None:
+            stream = plan.parse(stream)
         async with contextlib.aclosing(stream):  # closing us must cancel the job at once
             async for chunk in stream:
                 yield chunk
@@ -317,3 +329,14 @@ def _load_directory(path: Path, dtype: Any) -> tuple[Any, Any, int | None]:
     mx.eval(model.parameters())
     context_length = config.get("max_position_embeddings")
     return model, HFTokenizer.from_mlx_lm(wrapper), context_length
+
+
+class _PlannedRunner:
+    """The runner, handed one chat's plan (its prompt text and constraint)."""
+
+    def __init__(self, runner: Any, plan: ChatPlan) -> None:
+        self._runner = runner
+        self._plan = plan
+
+    def run(self, request: GenerationRequest, emit: Any, is_cancelled: Any) -> None:
+        self._runner.run(request, emit, is_cancelled, plan=self._plan)

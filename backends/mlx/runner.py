@@ -33,6 +33,7 @@ from backends.base import (
     TopLogprob,
     Usage,
 )
+from backends.chat_plan import ChatOptions, ChatPlan, load_chat, plan_chat
 from backends.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -41,7 +42,6 @@ from backends.errors import (
 from backends.mlx import sampling
 from backends.mlx.prompt_cache import PromptCache
 from backends.mlx.tokenizer import MLXTokenizer
-from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
 
 __all__ = ["MLXRunner"]
 
@@ -70,6 +70,7 @@ class MLXRunner:
         prefill_step_size: int,
         use_prompt_cache: bool,
         default_seed: int | None,
+        chat: ChatOptions | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -79,10 +80,8 @@ class MLXRunner:
         self.n_vocab: int = int(model.args.vocab_size)
         self._prefill_step_size = prefill_step_size
         self._default_seed = default_seed
-        self.template = ChatTemplate(
-            tokenizer.chat_template or FALLBACK_CHATML_TEMPLATE,
-            bos_token=tokenizer.bos_text,
-            eos_token=tokenizer.eos_text,
+        self.template, self.chat_format = load_chat(
+            chat, tokenizer.chat_template, bos_token=tokenizer.bos_text, eos_token=tokenizer.eos_text
         )
         self._prompt_cache = PromptCache(enabled=use_prompt_cache)
         #: Tokens sampled since start, across requests (tests observe cancellation with it).
@@ -97,19 +96,13 @@ class MLXRunner:
 
     # -- prompt ---------------------------------------------------------------------------
 
-    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
-        """Token ids of the request's prompt (chat rendered with the model's template)."""
+    def prompt_tokens(self, request: GenerationRequest, plan: ChatPlan | None = None) -> list[int]:
+        """Token ids of the request's prompt (a chat: its plan's rendered text)."""
         tokenizer = self.tokenizer
         if request.kind == "chat":
-            messages = [
-                {"role": m.role, "content": m.content}
-                | ({"name": m.name} if m.name is not None else {})
-                for m in request.messages or ()
-            ]
-            try:
-                text = self.template.render(messages, add_generation_prompt=True)
-            except ChatTemplateError as exc:
-                raise InvalidRequestError(str(exc), param="messages") from exc
+            if plan is None:
+                plan = plan_chat(request, self.template, self.chat_format)
+            text = plan.text
             # The template writes BOS itself when the model wants one at the very start.
             add_bos = tokenizer.add_bos and not (
                 tokenizer.bos_text and text.startswith(tokenizer.bos_text)
@@ -180,21 +173,25 @@ class MLXRunner:
         request: GenerationRequest,
         emit: Callable[[GenerationChunk], None],
         is_cancelled: Callable[[], bool],
+        *,
+        plan: ChatPlan | None = None,
     ) -> None:
         """Generate one choice, handing each chunk to ``emit``; returns early when cancelled."""
         with _GENERATION_LOCK:
             if not is_cancelled():
-                self._run(request, emit, is_cancelled)
+                self._run(request, emit, is_cancelled, plan)
 
     def _run(
         self,
         request: GenerationRequest,
         emit: Callable[[GenerationChunk], None],
         is_cancelled: Callable[[], bool],
+        plan: ChatPlan | None,
     ) -> None:
         params = request.params
-        tokens = self.prompt_tokens(request)
-        matcher = None if request.structured_outputs is None else self._compile(request.structured_outputs)
+        tokens = self.prompt_tokens(request, plan)
+        structured = plan.structured_outputs if plan is not None else request.structured_outputs
+        matcher = None if structured is None else self._compile(structured)
         if not tokens:
             if self.tokenizer.bos_token_id is None:
                 raise InvalidRequestError("the prompt is empty", param="prompt")

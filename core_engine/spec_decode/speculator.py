@@ -79,6 +79,8 @@ class Speculator:
                 continue  # still reading its prompt
             if request.matcher is not None:
                 continue  # constrained: proposals would need a mask per position
+            if request.thinking is not None and not request.thinking.is_done:
+                continue  # a budget may force the next token
             room = min(request.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens - 1)
             if room < 1:
                 continue

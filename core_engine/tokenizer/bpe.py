@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any
 
-from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate
+from core_engine.chat.template import FALLBACK_CHATML_TEMPLATE, ChatTemplate
 from core_engine.tokenizer.byte_level import decode_token_text, encode_bytes
 from core_engine.tokenizer.end_of_generation import END_OF_GENERATION_TEXTS
 from core_engine.tokenizer.pre_tokenizer import PreTokenizer, pre_tokenizer_type

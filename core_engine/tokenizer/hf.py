@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE, ChatTemplate
+from core_engine.chat.template import FALLBACK_CHATML_TEMPLATE, ChatTemplate
 from core_engine.tokenizer.bpe import TokenizerError, TokenType
 from core_engine.tokenizer.byte_level import decode_token_text
 from core_engine.tokenizer.end_of_generation import END_OF_GENERATION_TEXTS

@@ -18,8 +18,16 @@ from gateway.schemas.chat import (
     ChatTokenLogprob,
     ChatTopLogprob,
     ContentPart,
+    FunctionCall,
+    FunctionCallDelta,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallDeltaItem,
+    ToolCallParam,
+    ToolParam,
 )
 from gateway.schemas.common import (
+    CompletionTokensDetails,
     ErrorBody,
     ErrorResponse,
     PromptTokensDetails,
@@ -48,6 +56,7 @@ from gateway.schemas.tokenize import (
 )
 
 __all__ = [
+    "CompletionTokensDetails",
     "ChatChoice",
     "ChatChunkChoice",
     "ChatCompletion",
@@ -71,6 +80,13 @@ __all__ = [
     "EmbeddingList",
     "EmbeddingRequest",
     "EmbeddingUsage",
+    "FunctionCall",
+    "FunctionCallDelta",
+    "NamedToolChoice",
+    "ToolCall",
+    "ToolCallDeltaItem",
+    "ToolCallParam",
+    "ToolParam",
     "ErrorBody",
     "ErrorResponse",
     "HealthResponse",

@@ -26,6 +26,13 @@ __all__ = [
     "ChatTokenLogprob",
     "ChatTopLogprob",
     "ContentPart",
+    "FunctionCall",
+    "FunctionCallDelta",
+    "NamedToolChoice",
+    "ToolCall",
+    "ToolCallDeltaItem",
+    "ToolCallParam",
+    "ToolParam",
 ]
 
 # Shared parameter ranges (OpenAI's, plus vLLM's extensions).
@@ -47,8 +54,25 @@ class ContentPart(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     text: str | None = None
 
 
-#: "developer" is OpenAI's newer name for "system".
-Role = Literal["system", "developer", "user", "assistant"]
+#: "developer" is OpenAI's newer name for "system"; "tool" carries a tool call's result.
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+#: OpenAI's rule for function names.
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")]
+
+
+class FunctionCallParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    name: FunctionName
+    #: The arguments as JSON text (as the model wrote them).
+    arguments: str
+
+
+class ToolCallParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
 
 
 class ChatMessageParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -57,6 +81,36 @@ class ChatMessageParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    #: An assistant turn's tool calls.
+    tool_calls: list[ToolCallParam] | None = None
+    #: A tool message: the id of the call it answers.
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    name: FunctionName
+    description: str | None = None
+    #: A JSON Schema of the arguments (an object); absent: no arguments.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One offered tool: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """``tool_choice = {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -90,8 +144,13 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False)
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    #: Not served (no backend declares tools yet); a non-empty list is a 400.
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    #: Reasoning models: OpenAI's effort (mapped to a thinking budget by ``[reasoning]``)
+    #: and the explicit budget (vLLM, SGLang and llama-server have one under various names).
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    max_reasoning_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
 
 
 class ChatTopLogprob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -111,9 +170,23 @@ class ChatLogprobs(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     role: str = "assistant"
     content: str | None
+    #: vLLM's, SGLang's and llama-server's name for a reasoning model's thinking.
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -135,9 +208,26 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    arguments: str = ""
+
+
+class ToolCallDeltaItem(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """``delta.tool_calls[i]``: ``index``, then ``id``/``type``/``function.name`` on a call's
+    first piece, ``function.arguments`` fragments on the next ones."""
+
+    index: int
+    id: str | msgspec.UnsetType = msgspec.UNSET
+    type: str | msgspec.UnsetType = msgspec.UNSET
+    function: FunctionCallDelta
+
+
 class ChatDelta(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     role: str | msgspec.UnsetType = msgspec.UNSET
     content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCallDeltaItem] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
+    "CompletionTokensDetails",
     "ErrorBody",
     "ErrorResponse",
     "PromptTokensDetails",
@@ -24,6 +25,11 @@ class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     cached_tokens: int
 
 
+class CompletionTokensDetails(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    #: Output tokens a reasoning model spent thinking (``reasoning_content``).
+    reasoning_tokens: int
+
+
 class UsageInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
     """Token counts of a response; ``prompt_tokens_details`` only when the backend knows."""
 
@@ -31,6 +37,7 @@ class UsageInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, g
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ErrorBody(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE
+from core_engine.chat.template import FALLBACK_CHATML_TEMPLATE
 from core_engine.tokenizer.byte_level import BYTE_TO_CHAR, encode_bytes
 from core_engine.tokenizer.pre_tokenizer import PreTokenizer
 

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from core_engine.chat_template import FALLBACK_CHATML_TEMPLATE
+from core_engine.chat.template import FALLBACK_CHATML_TEMPLATE
 from tests.core_engine.gguf_factory import build_tiny_vocab
 
 __all__ = ["ARCHITECTURES", "HF_ONLY_ARCHITECTURES", "WINDOW", "gguf_architecture", "save_checkpoint", "tiny_hf_model", "vocab_size", "write_gguf"]

@@ -1,0 +1,206 @@
+"""Tool calling through the gateway with the official ``openai`` client, on the real default
+model served by the core engine, llama.cpp and MLX (each in its worker process).
+
+SmolLM2's template knows no tools, so these requests go through the fallback tool prompt and
+the Hermes parser; ``required`` and named ``tool_choice`` are held to a grammar, so every call
+is valid JSON that validates against its function's ``parameters``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from backends.base import BackendConfig
+from gateway.testing import LiveGateway, gateway_config
+
+pytestmark = pytest.mark.slow
+
+BACKENDS = ("core", "llamacpp", "mlx")
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 40}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+PROMPTS = [
+    "What is the weather in Paris?",
+    "Is it raining in Tokyo right now? Use fahrenheit.",
+    "What time is it in New York?",
+    "Tell me the weather and the time in Berlin.",
+]
+
+
+@pytest.fixture(scope="module")
+def gw(live_gateway: Any) -> Iterator[LiveGateway]:
+    config = gateway_config(
+        BackendConfig(name="core", kind="core_engine", options={"num_threads": 2, "kv_cache_memory_mb": 128}),
+        BackendConfig(name="llamacpp", kind="llamacpp", options={"n_ctx": 2048, "parallel": 2}),
+        BackendConfig(name="mlx", kind="mlx", options={"n_ctx": 2048}),
+        models={name: [name] for name in BACKENDS},
+    )
+    with live_gateway(config) as gateway:
+        yield gateway
+
+
+def _valid_calls(message: Any, *, cut: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The calls, each validated (``cut``: the last one may be cut by max_tokens)."""
+    calls = []
+    tool_calls = list(message.tool_calls or ())
+    if cut:
+        tool_calls = tool_calls[:-1]
+    for call in tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+@pytest.mark.parametrize("model", BACKENDS)
+def test_required_tool_choice_always_gives_valid_calls(gw: LiveGateway, model: str) -> None:
+    client = gw.openai_client(timeout=180)
+    for i, prompt in enumerate(PROMPTS):
+        completion = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], tools=TOOLS, tool_choice="required",
+            parallel_tool_calls=False, max_tokens=120, temperature=0.8, seed=i,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert len(_valid_calls(choice.message)) == 1
+        assert choice.message.content is None
+
+
+@pytest.mark.parametrize("model", BACKENDS)
+def test_parallel_calls_are_each_valid(gw: LiveGateway, model: str) -> None:
+    # With parallel calls allowed this small model often goes on calling until max_tokens;
+    # every call it finished is valid, and the indices count up from 0.
+    client = gw.openai_client(timeout=180)
+    completion = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[3]}], tools=TOOLS, tool_choice="required",
+        max_tokens=160, temperature=0.8, seed=7,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length")
+    calls = _valid_calls(choice.message, cut=choice.finish_reason == "length")
+    assert calls or choice.finish_reason == "length"
+
+
+@pytest.mark.parametrize("model", BACKENDS)
+def test_a_named_tool_choice_calls_that_function(gw: LiveGateway, model: str) -> None:
+    client = gw.openai_client(timeout=180)
+    completion = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the weather in Oslo?"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False,
+        max_tokens=80, temperature=0,
+    )
+    calls = _valid_calls(completion.choices[0].message)
+    assert [name for name, _ in calls] == ["get_time"]
+
+
+@pytest.mark.parametrize("model", BACKENDS)
+def test_streamed_tool_call_deltas_reassemble_to_the_non_streamed_call(gw: LiveGateway, model: str) -> None:
+    client = gw.openai_client(timeout=180)
+    request: dict[str, Any] = {
+        "model": model, "messages": [{"role": "user", "content": PROMPTS[0]}], "tools": TOOLS,
+        "tool_choice": "required", "max_tokens": 120, "temperature": 0,
+    }
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    # OpenAI's shape: a call's first delta has index, id, type and name, then argument fragments.
+    pieces = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or ())]
+    assert pieces[0].id and pieces[0].function.name and pieces[0].type == "function"
+    assert len(pieces) > 2  # the arguments came in fragments
+    assert all(p.id is None and p.function.name is None for p in pieces[1:] if p.index == pieces[0].index)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The SDK's stream helper rebuilds the same call the non-streamed answer has.
+    with client.beta.chat.completions.stream(**request) as stream:
+        final = stream.get_final_completion()
+    expected = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or ()]
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls or ()] == expected
+    streamed_args = "".join(p.function.arguments or "" for p in pieces if p.index == 0)
+    assert streamed_args == expected[0][1]
+
+
+@pytest.mark.parametrize("model", BACKENDS)
+def test_a_tool_result_turn_gets_an_answer(gw: LiveGateway, model: str) -> None:
+    client = gw.openai_client(timeout=180)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, max_tokens=80, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    call = first.choices[0].message.tool_calls[0]
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21, "sky": "sunny"})})
+    second = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=40, temperature=0)
+    answer = second.choices[0]
+    assert answer.finish_reason in ("stop", "length")
+    assert answer.message.tool_calls is None or _valid_calls(answer.message)
+    assert answer.message.content or answer.message.tool_calls
+    # tool_choice "none": an answer in words, never a call.
+    third = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=30, temperature=0
+    )
+    assert third.choices[0].message.tool_calls is None and third.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "21 C"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+    ],
+)
+def test_bad_tool_fields_are_400s_naming_them(gw: LiveGateway, body: dict[str, Any], param: str) -> None:
+    payload = {"model": "core", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | body
+    response = httpx.post(f"{gw}/v1/chat/completions", json=payload, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_the_openai_client_raises_bad_request_for_an_unknown_tool(gw: LiveGateway) -> None:
+    client = gw.openai_client(timeout=60)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="core", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "missing"}},
+        )
