@@ -23,7 +23,7 @@ from litestar.openapi import OpenAPIConfig
 from backends.base import Backend, BackendConfig
 from backends.errors import InfermuxError
 from gateway.config import ConfigError, InfermuxConfig, check_registered_names
-from gateway.controllers import CONTROLLERS, GENERATION_ENDPOINTS
+from gateway.controllers import CONTROLLERS, GENERATION_ENDPOINTS, responses_endpoint
 from gateway.errors import handle_exception
 from gateway.generation_endpoint import generation_handlers
 from gateway.header_limit import header_limit_middleware
@@ -87,8 +87,10 @@ def create_app(
         finally:
             await state.shutdown()
 
+    # The Responses endpoint is built per app: it reads and writes this app's stored responses.
+    endpoints = (*GENERATION_ENDPOINTS, responses_endpoint(state.response_store))
     app = Litestar(
-        route_handlers=[*generation_handlers(GENERATION_ENDPOINTS, state), *CONTROLLERS],
+        route_handlers=[*generation_handlers(endpoints, state), *CONTROLLERS],
         dependencies={"gateway": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         # Header size first (431), then the API key (401/403: the /v1/ controllers' guard,
@@ -102,7 +104,7 @@ def create_app(
         logging_config=None,
         debug=False,
     )
-    complete_openapi(app, GENERATION_ENDPOINTS)
+    complete_openapi(app, endpoints)
     return app
 
 

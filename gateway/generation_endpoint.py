@@ -55,6 +55,7 @@ class GenerationEndpoint(Generic[BodyT]):
         body_type: type[BodyT],
         response_type: type[msgspec.Struct],
         prepare: Callable[[BodyT, RequestContext], Generation],
+        stream_type: type[msgspec.Struct] | None = None,
     ) -> None:
         self.path = path
         self.operation_id = operation_id
@@ -64,6 +65,8 @@ class GenerationEndpoint(Generic[BodyT]):
         self.response_type = response_type
         #: Wire body -> backend requests and output builder (raises 400s naming the field).
         self.prepare = prepare
+        #: What one streamed event carries (None: ``<response_type>Chunk``, as chat's).
+        self.stream_type = stream_type
 
 
 def generation_handlers(
@@ -112,6 +115,7 @@ async def _serve(
             reasoning=config.reasoning,
             traceparent=headers.get("traceparent"),
             labels=header_labels(headers, config.plugins.request_headers),
+            api_key_id=api_key.id if api_key is not None else None,
         ),
     )
     await respond(

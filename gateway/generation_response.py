@@ -223,7 +223,9 @@ async def _sse(
         end = output.end_frames(run.total_usage())
         if end:
             yield end
-        yield DONE_FRAME
+        # The Responses API's stream ends with its response.completed event, no [DONE].
+        if getattr(output, "sends_done", True):
+            yield DONE_FRAME
     except InfermuxError as exc:
         await _end(run, grant)
         yield error_frame(exc)

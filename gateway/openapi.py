@@ -95,6 +95,7 @@ def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]
         ),
     }
     error_ref = Reference(ref="#/components/schemas/ErrorResponse")
+    stream_types = {e.path: e.stream_type.__name__ for e in endpoints if e.stream_type is not None}
     for path, item in (openapi.paths or {}).items():
         for operation in (item.get, item.post, item.put, item.delete, item.patch):
             if operation is None:
@@ -123,11 +124,13 @@ def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]
             if is_generation and isinstance(success, OpenAPIResponse) and success.content:
                 body = success.content.get("application/json")
                 ref = getattr(body.schema, "ref", "") if body is not None else ""
-                # Only endpoints that stream have a chunk type (embeddings never stream).
-                if ref and f"{ref.rsplit('/', 1)[-1]}Chunk" in wire_schemas:
+                # ChatCompletion -> ChatCompletionChunk, or the endpoint's own event type;
+                # only endpoints that stream have one (embeddings never stream).
+                chunk = stream_types.get(path, f"{ref.rsplit('/', 1)[-1]}Chunk")
+                if ref and chunk in wire_schemas:
                     success.content["text/event-stream"] = OpenAPIMediaType(
-                        # ChatCompletion -> ChatCompletionChunk; a raw dict, serialised as is.
-                        schema=_sse_event_schema(f"{ref}Chunk"),  # type: ignore[arg-type]
+                        # A raw dict, serialised as is.
+                        schema=_sse_event_schema(f"#/components/schemas/{chunk}"),  # type: ignore[arg-type]
                     )
             if path == "/ready" and isinstance(success, OpenAPIResponse):
                 responses["503"] = OpenAPIResponse(

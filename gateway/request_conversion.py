@@ -86,6 +86,9 @@ class RequestContext(msgspec.Struct, frozen=True, kw_only=True):
     traceparent: str | None = None
     #: The allow-listed request headers (``[plugins] request_headers``).
     labels: dict[str, str] = {}
+    #: The id of the API key that sent it (None in open mode): the Responses API keys
+    #: its stored responses on it.
+    api_key_id: str | None = None
 
 
 def usage_chunk_wanted(body: ChatCompletionRequest | CompletionRequest) -> bool:

@@ -29,6 +29,8 @@ from backends.worker import WorkerBackend
 from gateway.auth import KeyStore
 from gateway.config import InfermuxConfig
 from gateway.rate_limit import Admission
+from gateway.response_store import ResponseStore
+from plugins.builtin.cost.plugin import resolve_ledger_path
 
 if TYPE_CHECKING:
     from gateway.router import ModelRouter
@@ -107,6 +109,8 @@ class GatewayState:
         #: API keys (gateway/auth.py) and admission: per-key limits, global concurrency.
         self.key_store = KeyStore(config.auth.keys)
         self.admission = Admission(config.limits, config.auth.keys)
+        #: The Responses API's stored responses, in the ledger's SQLite file (opened on use).
+        self.response_store = ResponseStore(resolve_ledger_path(config.cost))
         self.started_at = int(time.time())
         #: This app's Prometheus registry (``GET /metrics``); plugins add to it through
         #: ``infermux_register_metrics``. Never the global one: apps may share a process.
@@ -222,6 +226,7 @@ class GatewayState:
         for backend in self.backends.values():
             await _close_quietly(backend)
         await self.hooks.shutdown()
+        self.response_store.close()
 
 
 async def _close_quietly(backend: Backend) -> None:

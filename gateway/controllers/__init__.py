@@ -6,6 +6,7 @@ from gateway.controllers.embedding import EMBEDDINGS
 from gateway.controllers.health import HealthController
 from gateway.controllers.metrics import MetricsController
 from gateway.controllers.model import ModelController
+from gateway.controllers.response import ResponseController, responses_endpoint
 from gateway.controllers.tokenize import TokenizeController
 from gateway.controllers.usage import UsageController
 
@@ -18,8 +19,10 @@ __all__ = [
     "HealthController",
     "MetricsController",
     "ModelController",
+    "ResponseController",
     "TokenizeController",
     "UsageController",
+    "responses_endpoint",
 ]
 
 #: The generation endpoints (``@asgi`` handlers built per app: gateway/generation_endpoint.py).
@@ -32,4 +35,5 @@ CONTROLLERS = (
     MetricsController,
     UsageController,
     TokenizeController,
+    ResponseController,
 )

@@ -48,6 +48,20 @@ from gateway.schemas.embedding import (
     EmbeddingUsage,
 )
 from gateway.schemas.model import HealthResponse, ModelCard, ModelList, ReadinessResponse
+from gateway.schemas.response import (
+    InputContentPart,
+    InputMessage,
+    OutputMessage,
+    OutputText,
+    ResponseDeleted,
+    ResponseIncompleteDetails,
+    ResponseObject,
+    ResponseRequest,
+    ResponseStreamEvent,
+    ResponseTextConfig,
+    ResponseTextFormat,
+    ResponseUsage,
+)
 from gateway.schemas.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -56,6 +70,18 @@ from gateway.schemas.tokenize import (
 )
 
 __all__ = [
+    "InputContentPart",
+    "InputMessage",
+    "OutputMessage",
+    "OutputText",
+    "ResponseDeleted",
+    "ResponseIncompleteDetails",
+    "ResponseObject",
+    "ResponseRequest",
+    "ResponseStreamEvent",
+    "ResponseTextConfig",
+    "ResponseTextFormat",
+    "ResponseUsage",
     "CompletionTokensDetails",
     "ChatChoice",
     "ChatChunkChoice",
