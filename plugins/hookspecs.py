@@ -154,8 +154,9 @@ def infermux_shutdown() -> None:
 def infermux_on_request_start(requests: Sequence[GenerationRequest]) -> None:
     """An HTTP generation request starts (async-capable).
 
-    Called once per ``POST /v1/chat/completions`` or ``/v1/completions`` that passed wire
-    validation, before ``infermux_transform_request``, with one ``GenerationRequest`` per
+    Called once per ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``
+    (one request of kind ``embedding`` carrying every input) or ``/v1/responses`` (a chat
+    request) that passed wire validation, before ``infermux_transform_request``, with one ``GenerationRequest`` per
     choice as converted from the wire (``choice_index`` and the seed differ; with several
     choices each has its own ``request_id`` and they share ``parent_request_id``). Every
     call is matched by exactly one ``infermux_on_request_end`` whatever happens next
