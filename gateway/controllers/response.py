@@ -11,14 +11,16 @@ router, ledger (``kind = "chat"``) and traces as chat. The answer is OpenAI's re
 object, or its typed event stream (``response.created`` ... ``response.completed``, each
 with its ``sequence_number``). With ``store`` (the default) the response and its
 conversation go to the :class:`~gateway.response_store.ResponseStore`, keyed on the API key.
-Function tools are not served here yet: ``tools`` is a 400 naming it.
+Function ``tools`` (and ``tool_choice``, ``parallel_tool_calls``) are chat's tools in
+Responses' flat shape; the model's calls are ``function_call`` output items, and a
+follow-up sends ``function_call_output`` items back (as chat's ``role = "tool"`` turns).
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Controller, Request, delete, get
@@ -34,6 +36,7 @@ from backends.errors import (
 )
 from gateway.auth import api_key_guard, api_key_of
 from gateway.choice_run import ChoiceRun
+from gateway.errors import invalid_body_error
 from gateway.generation_endpoint import GenerationEndpoint
 from gateway.generation_response import Generation
 from gateway.request_conversion import RequestContext, chat_generation_requests
@@ -41,6 +44,9 @@ from gateway.response_store import ResponseStore
 from gateway.schemas import (
     ChatCompletionRequest,
     ChatMessageParam,
+    FunctionCallItem,
+    FunctionToolChoice,
+    NamedToolChoice,
     OutputMessage,
     OutputText,
     ResponseDeleted,
@@ -49,6 +55,7 @@ from gateway.schemas import (
     ResponseRequest,
     ResponseStreamEvent,
     ResponseUsage,
+    ToolParam,
     UsageInfo,
 )
 from gateway.state import GatewayState
@@ -61,16 +68,37 @@ _encoder = msgspec.json.Encoder()
 
 
 def _input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
-    """``input`` as chat messages (400 naming ``input[i]...``)."""
+    """``input`` as chat messages (400 naming ``input[i]...``): messages, the model's
+    function calls (consecutive ones become one assistant turn) and their outputs."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not value:
         raise InvalidRequestError("input must not be empty", param="input")
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
+        if item.type == "function_call":
+            if not (item.call_id and item.name and item.arguments is not None):
+                raise InvalidRequestError(
+                    "a function_call item needs call_id, name and arguments", param=f"input[{i}]"
+                )
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if item.type == "function_call_output":
+            if not item.call_id or item.output is None:
+                raise InvalidRequestError(
+                    "a function_call_output item needs call_id and output", param=f"input[{i}]"
+                )
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            continue
         if item.type not in (None, "message"):
             raise UnsupportedParameterError(
-                f"input items of type {item.type!r} are not supported; send messages",
+                f"input items of type {item.type!r} are not supported; send messages, "
+                "function_call or function_call_output items",
                 param=f"input[{i}].type",
             )
         if item.role not in _ROLES:
@@ -79,6 +107,8 @@ def _input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
                 param=f"input[{i}].role",
             )
         content = item.content
+        if content is None:
+            raise InvalidRequestError("a message needs content", param=f"input[{i}].content")
         if not isinstance(content, str):
             texts: list[str] = []
             for j, part in enumerate(content):
@@ -91,6 +121,30 @@ def _input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
             content = "\n".join(texts)
         messages.append({"role": item.role, "content": content})
     return messages
+
+
+def _chat_tools(data: ResponseRequest) -> tuple[list[dict[str, Any]] | None, Any]:
+    """``tools`` and ``tool_choice`` in chat's nesting (``{"function": {...}}``)."""
+    tools = None
+    if data.tools:
+        tools = []
+        for i, tool in enumerate(data.tools):
+            if tool.type != "function":
+                raise UnsupportedParameterError(
+                    f"tools of type {tool.type!r} are not supported; only function tools",
+                    param=f"tools[{i}].type",
+                )
+            if not tool.name:
+                raise InvalidRequestError("a function tool needs its name", param=f"tools[{i}].name")
+            function = {"name": tool.name}
+            for key in ("description", "parameters", "strict"):
+                if getattr(tool, key) is not None:
+                    function[key] = getattr(tool, key)
+            tools.append({"type": "function", "function": function})
+    choice: Any = data.tool_choice
+    if isinstance(choice, FunctionToolChoice):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    return tools, choice
 
 
 def _response_format(data: ResponseRequest) -> dict[str, Any] | None:
@@ -113,14 +167,42 @@ def _param(param: str | None) -> str | None:
         return None
     if param.startswith("messages"):
         return "input"
+    if param.startswith("tools[") and ".function" in param:
+        return param.replace(".function", "")
     if param.startswith("response_format"):
         return "text.format" + param.removeprefix("response_format").removeprefix(".json_schema")
     return {"max_completion_tokens": "max_output_tokens"}.get(param, param)
 
 
+class _Call:
+    """One function call being assembled from its deltas."""
+
+    __slots__ = ("item_id", "call_id", "name", "arguments", "output_index")
+
+    def __init__(self, output_index: int) -> None:
+        self.item_id = f"fc_{secrets.token_hex(16)}"
+        self.call_id = ""
+        self.name = ""
+        self.arguments: list[str] = []
+        self.output_index = output_index
+
+    def item(self, status: str) -> FunctionCallItem:
+        return FunctionCallItem(
+            id=self.item_id,
+            call_id=self.call_id,
+            name=self.name,
+            arguments="".join(self.arguments),
+            status=status,  # type: ignore[arg-type]
+        )
+
+
 class ResponseOutput:
-    """Accumulates the text of one response; builds the response object or its events, and
-    stores the response (with ``store``) when it has ended."""
+    """Accumulates one response's text and function calls; builds the response object or
+    its events, and stores the response (with ``store``) when it has ended.
+
+    Output items are numbered in the order they start: the message when the first text
+    arrives, each function call when its first delta does.
+    """
 
     #: The stream ends with ``response.completed``, no ``data: [DONE]``.
     sends_done = False
@@ -141,14 +223,20 @@ class ResponseOutput:
         self.store = store
         self.api_key_id = api_key_id
         self._texts: list[str] = []
+        self._message_index: int | None = None
+        self._calls: dict[int, _Call] = {}
+        self._num_items = 0
         self._finish_reason: str | None = None
         self._sequence = 0
 
     # -- the response object ----------------------------------------------------------
 
-    def _response(self, status: str, output: list[OutputMessage], usage: UsageInfo | None) -> ResponseObject:
+    def _response(
+        self, status: str, output: list[OutputMessage | FunctionCallItem], usage: UsageInfo | None
+    ) -> ResponseObject:
         data = self.data
         fmt = data.text.format if data.text is not None else None
+        tool_choice = data.tool_choice if data.tool_choice is not None else "auto"
         return ResponseObject(
             id=self.response_id,
             created_at=self.created_at,
@@ -179,34 +267,76 @@ class ResponseOutput:
             incomplete_details=ResponseIncompleteDetails(reason="max_output_tokens")
             if status == "incomplete"
             else None,
+            parallel_tool_calls=data.parallel_tool_calls is not False,
+            tool_choice=msgspec.to_builtins(tool_choice),
+            tools=[msgspec.to_builtins(t) for t in data.tools or ()],
             user=data.user,
         )
 
+    def _items(self, status: str) -> list[OutputMessage | FunctionCallItem]:
+        if self._message_index is None and not self._calls:
+            self._message_index = self._next_index()  # an empty answer is an empty message
+        placed: list[tuple[int, OutputMessage | FunctionCallItem]] = []
+        if self._message_index is not None:
+            placed.append((self._message_index, self._message(status)))
+        placed += [(call.output_index, call.item(status)) for call in self._calls.values()]
+        return [item for _, item in sorted(placed, key=lambda pair: pair[0])]
+
     def _final(self, usage: UsageInfo) -> ResponseObject:
         status = "incomplete" if self._finish_reason == "length" else "completed"
-        message = self._message(status)
-        response = self._response(status, [message], usage)
+        response = self._response(status, self._items(status), usage)
         if self.store is not None and self.data.store is not False:
-            text = "".join(self._texts)
-            self.store.put(
-                self.response_id,
-                self.api_key_id,
-                _encoder.encode(response),
-                [*self.conversation, {"role": "assistant", "content": text}],
-            )
+            turn: dict[str, Any] = {"role": "assistant", "content": "".join(self._texts)}
+            if self._calls:
+                turn["tool_calls"] = [
+                    {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": "".join(c.arguments)}}
+                    for c in self._calls.values()
+                ]
+            self.store.put(self.response_id, self.api_key_id, _encoder.encode(response), [*self.conversation, turn])
         return response
 
     def _message(self, status: str, *, with_text: bool = True) -> OutputMessage:
         content = [OutputText(text="".join(self._texts))] if with_text else []
         return OutputMessage(id=self.item_id, status=status, content=content)  # type: ignore[arg-type]
 
+    def _next_index(self) -> int:
+        self._num_items += 1
+        return self._num_items - 1
+
     # -- OutputBuilder ----------------------------------------------------------------
 
     def add(self, position: int, chunk: GenerationChunk) -> None:
+        self._take(chunk)
+
+    def _take(self, chunk: GenerationChunk) -> list[bytes]:
+        """Record ``chunk``; the stream events it makes."""
+        frames: list[bytes] = []
         if chunk.text:
+            if self._message_index is None:
+                self._message_index = self._next_index()
+                frames += self._message_opened()
             self._texts.append(chunk.text)
+            frames.append(self._event("response.output_text.delta", **self._part_fields(), delta=chunk.text, logprobs=[]))
+        for delta in chunk.tool_calls:
+            call = self._calls.get(delta.index)
+            if call is None:
+                call = self._calls[delta.index] = _Call(self._next_index())
+                call.call_id = delta.id or f"call_{secrets.token_hex(12)}"
+                call.name = delta.name or ""
+                frames.append(self._event("response.output_item.added", output_index=call.output_index, item=call.item("in_progress")))
+            if delta.arguments:
+                call.arguments.append(delta.arguments)
+                frames.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=call.item_id,
+                        output_index=call.output_index,
+                        delta=delta.arguments,
+                    )
+                )
         if chunk.finish_reason is not None:
             self._finish_reason = chunk.finish_reason
+        return frames
 
     def body(self, run: ChoiceRun) -> ResponseObject:
         return self._final(run.total_usage())
@@ -217,55 +347,58 @@ class ResponseOutput:
         return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(payload) + b"\n\n"
 
     def _part_fields(self) -> dict[str, Any]:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.item_id, "output_index": self._message_index, "content_index": 0}
+
+    def _message_opened(self) -> list[bytes]:
+        return [
+            self._event(
+                "response.output_item.added",
+                output_index=self._message_index,
+                item=self._message("in_progress", with_text=False),
+            ),
+            self._event("response.content_part.added", **self._part_fields(), part=OutputText(text="")),
+        ]
 
     def start_frames(self) -> bytes:
         pending = self._response("in_progress", [], None)
-        return b"".join(
-            (
-                self._event("response.created", response=pending),
-                self._event("response.in_progress", response=pending),
-                self._event(
-                    "response.output_item.added",
-                    output_index=0,
-                    item=self._message("in_progress", with_text=False),
-                ),
-                self._event("response.content_part.added", **self._part_fields(), part=OutputText(text="")),
-            )
+        return self._event("response.created", response=pending) + self._event(
+            "response.in_progress", response=pending
         )
 
     def chunk_frames(self, position: int, chunk: GenerationChunk) -> bytes:
-        self.add(position, chunk)
-        if not chunk.text:
-            return b""
-        return self._event("response.output_text.delta", **self._part_fields(), delta=chunk.text, logprobs=[])
+        return b"".join(self._take(chunk))
 
     def end_frames(self, usage: UsageInfo) -> bytes:
+        opened_message = self._message_index is not None
         response = self._final(usage)
-        message = response.output[0]
-        part = message.content[0]
-        return b"".join(
-            (
-                self._event("response.output_text.done", **self._part_fields(), text=part.text, logprobs=[]),
-                self._event("response.content_part.done", **self._part_fields(), part=part),
-                self._event("response.output_item.done", output_index=0, item=message),
-                self._event(
-                    "response.incomplete" if response.status == "incomplete" else "response.completed",
-                    response=response,
-                ),
-            )
-        )
+        frames: list[bytes] = []
+        if not opened_message and self._message_index is not None:  # an empty answer
+            frames += self._message_opened()
+        for index, item in enumerate(response.output):
+            if isinstance(item, OutputMessage):
+                part = item.content[0]
+                frames.append(self._event("response.output_text.done", **self._part_fields(), text=part.text, logprobs=[]))
+                frames.append(self._event("response.content_part.done", **self._part_fields(), part=part))
+            else:
+                frames.append(
+                    self._event(
+                        "response.function_call_arguments.done",
+                        item_id=item.id,
+                        output_index=index,
+                        arguments=item.arguments,
+                    )
+                )
+            frames.append(self._event("response.output_item.done", output_index=index, item=item))
+        kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+        frames.append(self._event(kind, response=response))
+        return b"".join(frames)
 
 
 def responses_endpoint(store: ResponseStore) -> GenerationEndpoint[ResponseRequest]:
     """``POST /v1/responses`` for one app, storing in ``store``."""
 
     def prepare(data: ResponseRequest, context: RequestContext) -> Generation:
-        if data.tools:
-            raise UnsupportedParameterError(
-                "function tools are not supported on /v1/responses yet (use /v1/chat/completions)",
-                param="tools",
-            )
+        tools, tool_choice = _chat_tools(data)
         conversation: list[dict[str, Any]] = []
         if data.previous_response_id is not None:
             previous = store.get(data.previous_response_id, context.api_key_id)
@@ -275,6 +408,14 @@ def responses_endpoint(store: ResponseStore) -> GenerationEndpoint[ResponseReque
                 )
             conversation = list(previous.conversation)
         conversation += _input_messages(data.input)
+        chat_tools = None
+        if tools is not None:
+            try:
+                chat_tools = msgspec.convert(tools, list[ToolParam])
+            except msgspec.ValidationError as exc:  # a bad function name: chat's own rule
+                where = invalid_body_error(exc).param or ""
+                param = "tools" + where.replace(".function", "")
+                raise InvalidRequestError(f"invalid value for '{param}': {exc}", param=param) from None
         messages = [{"role": "system", "content": data.instructions}] if data.instructions else []
         messages += conversation
         chat = ChatCompletionRequest(
@@ -286,6 +427,9 @@ def responses_endpoint(store: ResponseStore) -> GenerationEndpoint[ResponseReque
             response_format=_response_format(data),
             user=data.user,
             stream=data.stream,
+            tools=chat_tools,
+            tool_choice=msgspec.convert(tool_choice, Literal["none", "auto", "required"] | NamedToolChoice | None),
+            parallel_tool_calls=data.parallel_tool_calls,
         )
         try:
             requests = chat_generation_requests(chat, context)
@@ -303,8 +447,9 @@ def responses_endpoint(store: ResponseStore) -> GenerationEndpoint[ResponseReque
         summary="Create a response",
         description="OpenAI Responses API, text only: `input` (string or messages), "
         "`instructions`, `max_output_tokens`, `temperature`, `top_p`, `text.format` "
-        "(json_schema, json_object), `stream` (typed events), `store` and "
-        "`previous_response_id`. `tools` is refused (400) for now.",
+        "(json_schema, json_object), function `tools` / `tool_choice` (calls as "
+        "`function_call` items, answered by `function_call_output` items), `stream` "
+        "(typed events), `store` and `previous_response_id`.",
         body_type=ResponseRequest,
         response_type=ResponseObject,
         prepare=prepare,

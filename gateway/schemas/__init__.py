@@ -49,6 +49,9 @@ from gateway.schemas.embedding import (
 )
 from gateway.schemas.model import HealthResponse, ModelCard, ModelList, ReadinessResponse
 from gateway.schemas.response import (
+    FunctionCallItem,
+    FunctionTool,
+    FunctionToolChoice,
     InputContentPart,
     InputMessage,
     OutputMessage,
@@ -70,6 +73,9 @@ from gateway.schemas.tokenize import (
 )
 
 __all__ = [
+    "FunctionCallItem",
+    "FunctionTool",
+    "FunctionToolChoice",
     "InputContentPart",
     "InputMessage",
     "OutputMessage",

@@ -1,5 +1,5 @@
 """Wire types of the Responses API (``POST /v1/responses``, ``GET``/``DELETE
-/v1/responses/{id}``): text in, text out (tools are refused for now)."""
+/v1/responses/{id}``): text and function tools."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import msgspec
 from gateway.schemas.chat import Probability, Temperature
 
 __all__ = [
+    "FunctionCallItem",
+    "FunctionTool",
+    "FunctionToolChoice",
     "InputContentPart",
     "InputMessage",
     "OutputMessage",
@@ -35,11 +38,36 @@ class InputContentPart(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class InputMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """An input item: a message (``type`` "message" or absent)."""
+    """An input item: a message (``type`` "message" or absent: ``role``, ``content``), a
+    ``function_call`` the model made (``call_id``, ``name``, ``arguments``), or the
+    ``function_call_output`` answering it (``call_id``, ``output``)."""
 
     type: str | None = None
-    role: str
-    content: str | list[InputContentPart]
+    role: str | None = None
+    content: str | list[InputContentPart] | None = None
+    id: str | None = None
+    status: str | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class FunctionTool(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """``{"type": "function", "name", "description", "parameters", "strict"}``."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """``tool_choice = {"type": "function", "name": ...}``."""
+
+    type: Literal["function"]
+    name: str
 
 
 class ResponseTextFormat(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -73,9 +101,10 @@ class ResponseRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    #: Not served yet: a non-empty list is a 400 naming ``tools``.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    #: Function tools (other kinds are a 400 naming ``tools[i].type``).
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class OutputText(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -84,12 +113,24 @@ class OutputText(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     annotations: list[Any] = []
 
 
-class OutputMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    type: str = "message"
+class OutputMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="message", tag_field="type"):
     id: str
     status: Literal["in_progress", "completed", "incomplete"]
     role: str = "assistant"
     content: list[OutputText]
+
+
+class FunctionCallItem(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="function_call", tag_field="type"
+):
+    """A call of one of the request's function tools (answer it with a
+    ``function_call_output`` input item carrying the same ``call_id``)."""
+
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class ResponseUsage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -112,7 +153,7 @@ class ResponseObject(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete"]
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | FunctionCallItem]
     usage: ResponseUsage | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -124,8 +165,8 @@ class ResponseObject(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     metadata: dict[str, str] = {}
     incomplete_details: ResponseIncompleteDetails | None = None
     error: None = None
-    parallel_tool_calls: bool = False
-    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
+    tool_choice: Any = "auto"
     tools: list[Any] = []
     user: str | None = None
 

@@ -115,6 +115,27 @@ def test_previous_response_id_chains_the_conversation_without_old_instructions(
     ]
 
 
+def test_function_call_items_reach_the_backend_as_chat_tool_turns(gw: tuple[LiveGateway, Path]) -> None:
+    gateway, _ = gw
+    client(gateway).responses.create(
+        model="echo",
+        input=[
+            {"role": "user", "content": "weather in Paris and Rome?"},
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": '{"city": "Rome"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "c2", "output": "rain"},
+        ],
+    )
+    seen = gateway.backend("mock").received[-1].messages
+    assert [m.role for m in seen] == ["user", "assistant", "tool", "tool"]
+    assert [(c.id, c.name, c.arguments) for c in seen[1].tool_calls] == [
+        ("c1", "weather", '{"city": "Paris"}'),
+        ("c2", "weather", '{"city": "Rome"}'),
+    ]
+    assert [(m.tool_call_id, m.content) for m in seen[2:]] == [("c1", "sunny"), ("c2", "rain")]
+
+
 def test_retrieve_and_delete_and_store_false(gw: tuple[LiveGateway, Path]) -> None:
     gateway, _ = gw
     alice = client(gateway)
@@ -153,14 +174,20 @@ def test_a_key_never_reads_continues_or_deletes_another_keys_response(
     [
         ({"input": []}, 400, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, 400, "input[0].role"),
-        ({"input": [{"type": "function_call_output", "role": "user", "content": "x"}]}, 400, "input[0].type"),
+        ({"input": [{"type": "reasoning", "role": "user", "content": "x"}]}, 400, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input[0].content[0]"),
         ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": "x", "temperature": 5}, 400, "temperature"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format.type"),
         ({"input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+        # The mock backend has no tool calling: the router's capability check names tools.
         ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+        ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, 400, "tools[0].name"),
+        ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, 400, "input[0]"),
+        ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, 400, "input[0]"),
         ({"input": "x", "model": "nope"}, 404, "model"),
         ({}, 400, "input"),
     ],
