@@ -98,14 +98,16 @@ class ChatPlan:
     reasoning_markers: tuple[str, str] | None
     reasoning_open: bool
 
-    async def parse(self, chunks: AsyncGenerator[GenerationChunk, None]) -> AsyncIterator[GenerationChunk]:
+    async def parse(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncGenerator[GenerationChunk, None]:
         """``chunks`` with their text split into reasoning, content and tool calls; closing
         this iterator closes ``chunks`` (which aborts the backend's work)."""
         try:
             async for chunk in self._parsed(chunks):
                 yield chunk
         finally:
-            await chunks.aclose()
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     async def _parsed(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
         if self.tool_format is None and self.reasoning_markers is None:

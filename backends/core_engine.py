@@ -521,7 +521,9 @@ class CoreEngineBackend:
         if llm is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         sender = self._transfer_end(self._kv_sender, "prefill")
-        plan = plan_chat(request, self._template, self._chat_format) if request.kind == "chat" else None
+        plan = None
+        if request.kind == "chat" and self._template is not None:
+            plan = plan_chat(request, self._template, self._chat_format)
         prompt_ids, _ = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size, plan)
         params = self._engine_params(request.params, request.kind == "completion")
         self._counter += 1
