@@ -29,6 +29,7 @@ from backends.worker import WorkerBackend
 from gateway.auth import KeyStore
 from gateway.config import InfermuxConfig
 from gateway.rate_limit import Admission
+from plugins.shared_state import open_state
 
 if TYPE_CHECKING:
     from gateway.router import ModelRouter
@@ -106,7 +107,9 @@ class GatewayState:
         self.draining = False
         #: API keys (gateway/auth.py) and admission: per-key limits, global concurrency.
         self.key_store = KeyStore(config.auth.keys)
-        self.admission = Admission(config.limits, config.auth.keys)
+        #: ``[state] backend = "redis"``: the per-key limits every replica shares.
+        self.shared_state = open_state(config.state)
+        self.admission = Admission(config.limits, config.auth.keys, state=self.shared_state)
         self.started_at = int(time.time())
         #: This app's Prometheus registry (``GET /metrics``); plugins add to it through
         #: ``infermux_register_metrics``. Never the global one: apps may share a process.
@@ -222,6 +225,8 @@ class GatewayState:
         for backend in self.backends.values():
             await _close_quietly(backend)
         await self.hooks.shutdown()
+        if self.shared_state is not None:
+            await self.shared_state.aclose()
 
 
 async def _close_quietly(backend: Backend) -> None:
