@@ -31,6 +31,7 @@ serve: $(STAMP)
 	$(VENV)/bin/infermux serve $(ARGS)
 
 test: $(STAMP)
+	scripts/install_test_services.sh
 	$(VENV)/bin/ruff check gateway backends plugins core_engine tests
 	$(PY) -m pytest -q
 
