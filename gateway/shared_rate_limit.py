@@ -104,9 +104,7 @@ class SharedKeyRateLimiter:
             return {}
         rpm, tpm = self._limits[key.id]
         try:
-            verdict, requests, tokens = await self._state.run(
-                _ADMIT, self._keys(key), [rpm, tpm]
-            )
+            verdict, requests, tokens = await self._state.run(_ADMIT, self._keys(key), [rpm, tpm])
         except StateStoreDown:
             if self._state.fail_open:
                 return await self._local.admit(key)

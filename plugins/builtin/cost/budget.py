@@ -57,7 +57,6 @@ class _Budget:
         return self.config.tenant == tenant
 
 
-
 class BudgetBook:
     """The ``[[cost.budgets]]`` and what was spent against each in its current period."""
 

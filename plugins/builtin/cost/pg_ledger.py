@@ -176,9 +176,7 @@ class PostgresLedger:
                 return
             except (psycopg.OperationalError, PoolTimeout, LedgerError) as exc:
                 if attempt == _WRITE_ATTEMPTS:
-                    logger.error(
-                        "usage ledger: record %s not written: %s", record.request_id, exc
-                    )
+                    logger.error("usage ledger: record %s not written: %s", record.request_id, exc)
                     raise LedgerError(f"{record.request_id}: {exc}") from exc
                 await asyncio.sleep(0.1 * attempt)
             except psycopg.Error as exc:
@@ -220,7 +218,9 @@ class PostgresLedger:
         """The cost recorded for a key or a tenant since ``since`` (None: ever)."""
         query = UsageQuery(api_key_id=api_key_id, tenant=tenant, start=since)
         where, params = where_clause(query, "%s")
-        rows = await self._fetch(f"SELECT COALESCE(SUM(cost), 0.0) FROM usage_records{where}", params)
+        rows = await self._fetch(
+            f"SELECT COALESCE(SUM(cost), 0.0) FROM usage_records{where}", params
+        )
         return float(rows[0][0])
 
     async def num_records(self) -> int:
@@ -248,7 +248,9 @@ async def migrate_sqlite(path: str | Path, target: PostgresLedger) -> tuple[int,
     before = await target.num_records()
     num_read = 0
     try:
-        cursor = source.execute(f"SELECT {', '.join(RECORD_COLUMNS)} FROM usage_records ORDER BY id")
+        cursor = source.execute(
+            f"SELECT {', '.join(RECORD_COLUMNS)} FROM usage_records ORDER BY id"
+        )
         while rows := cursor.fetchmany(_MIGRATE_BATCH):
             num_read += len(rows)
             async with target._pool.connection() as connection, connection.cursor() as pg:

@@ -80,7 +80,9 @@ class SharedBudgetBook:
         await self._local.load(spent_since)
 
     def _key(self, budget: BudgetConfig, start: float | None) -> str:
-        subject = f"key:{budget.api_key}" if budget.api_key is not None else f"tenant:{budget.tenant}"
+        subject = (
+            f"key:{budget.api_key}" if budget.api_key is not None else f"tenant:{budget.tenant}"
+        )
         period = "total" if start is None else f"{budget.period}:{int(start)}"
         return self._state.key("budget", subject, period)
 
