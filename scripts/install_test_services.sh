@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The servers the scale-out tests start on loopback (tests/scaleout): redis-server and
-# PostgreSQL, from Debian's packages. Installed only when missing, and only as root (CI runs
+# PostgreSQL, and docker-compose (tests/deploy validates deploy/compose.yaml with it; no
+# Docker daemon is used), from Debian's packages. Installed only when missing, and only as root (CI runs
 # as root; elsewhere it says what to install and the tests that need them are skipped).
 set -euo pipefail
 
@@ -8,6 +9,7 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null 2>&1 \
     || missing+=(postgresql)
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi

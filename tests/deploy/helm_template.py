@@ -146,7 +146,11 @@ def render_chart(
     context = {
         "Values": values,
         "Release": {"Name": release, "Namespace": "default"},
-        "Chart": {"Name": meta["name"], "Version": meta["version"], "AppVersion": meta["appVersion"]},
+        "Chart": {
+            "Name": meta["name"],
+            "Version": meta["version"],
+            "AppVersion": meta["appVersion"],
+        },
     }
     rendered = {}
     for template in sorted((chart / "templates").glob("*.yaml")):

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -228,7 +227,9 @@ def test_compose_gateway_config_loads_and_may_listen_on_all_interfaces() -> None
 
 
 def test_dashboard_panels_use_metrics_the_gateway_exports(exported_metrics: set[str]) -> None:
-    dashboard = json.loads((DEPLOY / "compose" / "grafana" / "dashboards" / "infermux.json").read_text())
+    dashboard = json.loads(
+        (DEPLOY / "compose" / "grafana" / "dashboards" / "infermux.json").read_text()
+    )
     titles = " ".join(panel["title"] for panel in dashboard["panels"]).lower()
     for topic in ("first token", "inter-token", "goodput", "cache hit", "cost"):
         assert topic in titles
