@@ -79,7 +79,9 @@ class RedisState:
         """The Redis key of ``parts`` under this deployment's prefix."""
         return self.key_prefix + ":".join(parts)
 
-    async def run(self, script: str, keys: Sequence[str], args: Sequence[object]) -> Any:
+    async def run(
+        self, script: str, keys: Sequence[str], args: Sequence[str | int | float]
+    ) -> Any:
         """Run the Lua ``script`` atomically; :class:`StateStoreDown` when Redis is away.
 
         Scripts are sent once and then called by their SHA (redis-py sends the source

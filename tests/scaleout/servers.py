@@ -120,11 +120,13 @@ class PostgresServer:
         subprocess.run([*self._as, *args], check=True, capture_output=True, cwd="/")
 
     def start(self) -> None:
+        """Create the cluster (the first time), then start it on ``port``."""
         cluster = self.datadir / "data"
-        self._run(
-            str(self.bin_dir / "initdb"), "-D", str(cluster), "-U", "infermux",
-            "--auth=trust", "--no-sync", "-E", "UTF8",
-        )  # fmt: skip
+        if not cluster.exists():
+            self._run(
+                str(self.bin_dir / "initdb"), "-D", str(cluster), "-U", "infermux",
+                "--auth=trust", "--no-sync", "-E", "UTF8",
+            )  # fmt: skip
         options = (
             f"-c listen_addresses=127.0.0.1 -c port={self.port} "
             f"-c unix_socket_directories={self.datadir} -c fsync=off"
@@ -134,12 +136,16 @@ class PostgresServer:
             "-l", str(self.datadir / "log"), "-w", "start",
         )  # fmt: skip
 
-    def stop(self) -> None:
+    def kill(self) -> None:
+        """Stop at once (``-m immediate``: connections drop); :meth:`start` brings it back."""
         try:
             self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.datadir / "data"), "-m",
-                      "immediate", "stop")  # fmt: skip
+                      "immediate", "-w", "stop")  # fmt: skip
         except subprocess.CalledProcessError:
             pass
+
+    def stop(self) -> None:
+        self.kill()
         shutil.rmtree(self.datadir, ignore_errors=True)
 
 

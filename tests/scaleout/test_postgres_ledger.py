@@ -140,3 +140,55 @@ def test_migrate_names_a_bad_target(tmp_path: Path) -> None:
     refused = cli("usage", "migrate", "--db", str(tmp_path / "x.sqlite3"), "--to", "mysql://x")
     assert refused.returncode == 2
     assert "--to must be a postgresql:// URL" in refused.stderr
+
+
+def test_postgres_down_spools_records_and_moves_them_once_it_is_back(tmp_path: Path) -> None:
+    """Its own cluster (this test stops it): no request fails, no record is lost."""
+    from servers import postgres_bin
+
+    bin_dir = postgres_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (scripts/install_test_services.sh)")
+    server = PostgresServer(bin_dir)
+    server.start()
+    try:
+        config = tmp_path / "pg.toml"
+        config.write_text(
+            '[[backends]]\nname = "mock"\nkind = "mock"\n'
+            '[[models]]\nalias = "echo"\nbackends = ["mock"]\n'
+            f'[cost]\ndatabase = "{server.url}"\nledger_path = "{tmp_path / "ledger.sqlite3"}"\n'
+        )
+        spool = tmp_path / "ledger.pg-spool.sqlite3"
+
+        def post(gw: object) -> str:
+            response = httpx.post(
+                f"{gw}/v1/chat/completions",
+                json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]},
+                timeout=30,
+            )
+            assert response.status_code == 200, response.text
+            return response.headers["x-request-id"]
+
+        with serving(config, {}) as gw:
+            request_ids = [post(gw) for _ in range(3)]
+            assert len(rows(server.url)) == 3
+            server.kill()
+            request_ids += [post(gw) for _ in range(5)]  # every one answered 200
+            assert spool.exists()
+            server.start()
+            deadline = time.monotonic() + 60
+            while len(rows(server.url)) < 8:  # the mover tries every 2 s
+                assert time.monotonic() < deadline, "spooled records were not moved"
+                time.sleep(0.2)
+            request_ids.append(post(gw))  # straight to Postgres again
+            log = gw.log_path.read_text()
+        counted = dict(rows(server.url))
+        assert sorted(counted) == sorted(request_ids)
+        assert set(counted.values()) == {1}
+        assert log.count("unreachable") == 1 and log.count("reachable again") == 1, log
+        import sqlite3
+
+        with sqlite3.connect(spool) as connection:
+            assert connection.execute("SELECT COUNT(*) FROM usage_records").fetchone() == (0,)
+    finally:
+        server.stop()

@@ -138,9 +138,7 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
 #: event loop's (:meth:`Ledger.write`).
 #: The columns a record fills: its fields, in order.
 RECORD_COLUMNS = UsageRecord.__struct_fields__
-_INSERT = (
-    f"INSERT INTO usage_records ({', '.join(RECORD_COLUMNS)}) VALUES ({', '.join('?' for _ in RECORD_COLUMNS)})"
-)
+_INSERT = f"INSERT INTO usage_records ({', '.join(RECORD_COLUMNS)}) VALUES ({', '.join('?' for _ in RECORD_COLUMNS)})"
 
 _Item = tuple[UsageRecord, "Future[None] | asyncio.Future[None] | None"]
 #: An event loop's future and the error of its record (None: committed).
@@ -470,7 +468,9 @@ def query_usage(path: str | Path, query: UsageQuery, *, currency: str = "USD") -
     return UsageReport(
         query=query,
         totals=usage_totals(totals),
-        per_day=[UsageDay(date=row[0], **msgspec.structs.asdict(usage_totals(row[1:]))) for row in days],
+        per_day=[
+            UsageDay(date=row[0], **msgspec.structs.asdict(usage_totals(row[1:]))) for row in days
+        ],
         currency=currency,
     )
 

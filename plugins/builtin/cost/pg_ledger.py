@@ -8,16 +8,26 @@ after a dropped connection (the commit may or may not have happened) never makes
 row, and two replicas can never both own one request id.
 
 Connections come from a ``psycopg_pool.AsyncConnectionPool`` that opens in the background:
-a gateway starts while Postgres is down, the schema is made by the first call that reaches
-it, and a write waits at most ``_CONNECT_TIMEOUT_S`` for a connection, retried
-``_WRITE_ATTEMPTS`` times, before it fails with :class:`LedgerError` (logged by the cost
-plugin; the response is still sent). ``migrate_sqlite`` copies a SQLite ledger into it
-(``infermux usage migrate``); running it twice copies nothing twice.
+a gateway starts while Postgres is down, and the schema is made by the first call that
+reaches it.
+
+Postgres unreachable: no record is lost and no request waits for it. The write that found
+it down (it waited at most ``_CONNECT_TIMEOUT_S`` for a connection), and every write after
+it, commits its record to the spool instead, a SQLite ledger on the local disk (the
+``[cost] ledger_path`` file); the outage is logged once. A background task tries Postgres
+every ``retry_interval_s``; once it answers, the task moves the spooled records over (the
+idempotent insert, then a delete from the spool) and writes go to Postgres again. Spooled
+records left by a stopped gateway are moved when it starts next. Reports (``/v1/usage``)
+read Postgres only: records still in the spool appear there once moved.
+
+``migrate_sqlite`` copies a SQLite ledger into Postgres (``infermux usage migrate``);
+running it twice copies nothing twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sqlite3
 from pathlib import Path
@@ -29,6 +39,7 @@ import msgspec
 from plugins.builtin.cost.ledger import (
     RECORD_COLUMNS,
     SCHEMA_VERSION,
+    Ledger,
     LedgerError,
     UsageRecord,
     usage_totals,
@@ -83,10 +94,9 @@ _SUMS = (
     "COALESCE(SUM(cost), 0.0)"
 )
 _DAY = "to_char(to_timestamp(created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
-_CONNECT_TIMEOUT_S = 5.0
+_CONNECT_TIMEOUT_S = 2.0
 #: How long start-up waits for the schema before going on without it.
 _OPEN_WAIT_S = 2.0
-_WRITE_ATTEMPTS = 3
 _MIGRATE_BATCH = 1000
 
 
@@ -102,10 +112,24 @@ def redacted_url(url: str) -> str:
 class PostgresLedger:
     """:class:`~plugins.builtin.cost.ledger.UsageLedger` on Postgres; see the module docstring."""
 
-    def __init__(self, url: str, *, max_connections: int = 4) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        spool: Path | None = None,
+        max_connections: int = 4,
+        retry_interval_s: float = 2.0,
+    ) -> None:
         from psycopg_pool import AsyncConnectionPool
 
         self.location = redacted_url(url)
+        #: The SQLite file records go to while Postgres is down (None: they fail).
+        self.spool_path = spool
+        self._spool: Ledger | None = None
+        self._retry_interval_s = retry_interval_s
+        #: Postgres failed and the spool is taking the records.
+        self.is_down = False
+        self._mover: asyncio.Task[None] | None = None
         self._pool = AsyncConnectionPool(
             url,
             min_size=1,
@@ -130,6 +154,8 @@ class PostgresLedger:
             )
         except LedgerError as exc:
             logger.error("usage ledger %s: %s; retried on the next write", self.location, exc)
+        if self.spool_path is not None and self.spool_path.exists():
+            self._start_mover()  # records a previous run could not move
 
     async def _ensure_schema(self) -> None:
         if self._has_schema:
@@ -164,24 +190,74 @@ class PostgresLedger:
             self._has_schema = True
 
     async def write(self, record: UsageRecord) -> None:
-        """Insert ``record`` once; retried on a lost connection (the insert is idempotent)."""
+        """Insert ``record`` once; into the spool while Postgres is down (module docstring)."""
         import psycopg
         from psycopg_pool import PoolTimeout
 
-        for attempt in range(1, _WRITE_ATTEMPTS + 1):
+        if not self.is_down:
             try:
                 await self._ensure_schema()
                 async with self._pool.connection() as connection:
                     await connection.execute(_INSERT, record.row())
                 return
             except (psycopg.OperationalError, PoolTimeout, LedgerError) as exc:
-                if attempt == _WRITE_ATTEMPTS:
+                if self.spool_path is None:
                     logger.error("usage ledger: record %s not written: %s", record.request_id, exc)
                     raise LedgerError(f"{record.request_id}: {exc}") from exc
-                await asyncio.sleep(0.1 * attempt)
+                self.is_down = True
+                logger.error(
+                    "usage ledger %s unreachable: %s; records go to %s until it is back",
+                    self.location,
+                    exc,
+                    self.spool_path,
+                )
             except psycopg.Error as exc:
                 logger.error("usage ledger: record %s not written: %s", record.request_id, exc)
                 raise LedgerError(f"{record.request_id}: {exc}") from exc
+        assert self.spool_path is not None
+        if self._spool is None:
+            self._spool = Ledger(self.spool_path)
+        await self._spool.write(record)
+        self._start_mover()
+
+    def _start_mover(self) -> None:
+        if self._mover is None or self._mover.done():
+            self._mover = asyncio.get_running_loop().create_task(self._move_spooled())
+
+    async def _move_spooled(self) -> None:
+        """Until the spool is empty: try Postgres every ``retry_interval_s``, move records."""
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        assert self.spool_path is not None
+        while True:
+            try:
+                moved = await self._move_batch(self.spool_path)
+            except (psycopg.Error, PoolTimeout, LedgerError, sqlite3.Error) as exc:
+                logger.debug("usage ledger: spooled records not moved yet: %s", exc)
+                await asyncio.sleep(self._retry_interval_s)
+                continue
+            if self.is_down:
+                # Postgres answers: writes go there again. Records spooled before this
+                # point are moved by the passes that follow.
+                self.is_down = False
+                logger.warning("usage ledger %s reachable again", self.location)
+            if moved:
+                logger.info("usage ledger: %d spooled records moved to %s", moved, self.location)
+                continue
+            return
+
+    async def _move_batch(self, path: Path) -> int:
+        """Copy up to ``_MIGRATE_BATCH`` spooled records into Postgres, then delete them
+        from the spool; how many moved (0: the spool is empty)."""
+        await self._ensure_schema()
+        rows = await asyncio.to_thread(_spooled_rows, path)
+        if not rows:
+            return 0
+        async with self._pool.connection() as connection, connection.cursor() as cursor:
+            await cursor.executemany(_INSERT, rows)
+        await asyncio.to_thread(_unspool, path, [row[0] for row in rows])
+        return len(rows)
 
     async def _fetch(self, sql: str, params: list[object]) -> list[tuple[Any, ...]]:
         import psycopg
@@ -229,8 +305,38 @@ class PostgresLedger:
         return int(rows[0][0])
 
     async def aclose(self) -> None:
-        """Close the pool (writes are committed as they are made)."""
+        """Stop moving spooled records (they stay in the spool for the next start), close."""
+        if self._mover is not None:
+            self._mover.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._mover
+        if self._spool is not None:
+            await self._spool.aclose()
         await self._pool.close()
+
+
+def _spooled_rows(path: Path) -> list[tuple[Any, ...]]:
+    """The oldest spooled records, as rows (request id first)."""
+    connection = sqlite3.connect(path, timeout=10.0)
+    try:
+        return connection.execute(
+            f"SELECT {', '.join(RECORD_COLUMNS)} FROM usage_records ORDER BY id LIMIT ?",
+            (_MIGRATE_BATCH,),
+        ).fetchall()
+    finally:
+        connection.close()
+
+
+def _unspool(path: Path, request_ids: list[str]) -> None:
+    """Delete moved records from the spool."""
+    connection = sqlite3.connect(path, timeout=10.0)
+    try:
+        with connection:
+            connection.executemany(
+                "DELETE FROM usage_records WHERE request_id = ?", [(rid,) for rid in request_ids]
+            )
+    finally:
+        connection.close()
 
 
 async def migrate_sqlite(path: str | Path, target: PostgresLedger) -> tuple[int, int]:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from plugins.shared_state import RedisState
     from plugins.usage_report import UsageQuery, UsageReport
 
-__all__ = ["ENV_LEDGER_PATH", "CostPlugin", "resolve_ledger_path"]
+__all__ = ["ENV_LEDGER_PATH", "CostPlugin", "resolve_ledger_path", "spool_path"]
 
 logger = logging.getLogger("plugins.cost")
 
@@ -55,6 +55,12 @@ DEFAULT_LEDGER_PATH = Path("var") / "ledger.sqlite3"
 def resolve_ledger_path(cost: CostConfig, env: Mapping[str, str] = os.environ) -> Path:
     """``$INFERMUX_LEDGER_PATH``, else ``[cost] ledger_path``, else ``var/ledger.sqlite3``."""
     return Path(env.get(ENV_LEDGER_PATH) or cost.ledger_path or DEFAULT_LEDGER_PATH)
+
+
+def spool_path(ledger_path: Path) -> Path:
+    """Where records wait while the Postgres ledger is down: beside the SQLite ledger's
+    path, never that file itself (its records are moved only by ``infermux usage migrate``)."""
+    return ledger_path.with_name(f"{ledger_path.stem}.pg-spool{ledger_path.suffix}")
 
 
 class _Pending:
@@ -113,7 +119,9 @@ class CostPlugin:
         if cost.database is not None:
             from plugins.builtin.cost.pg_ledger import PostgresLedger
 
-            postgres = PostgresLedger(cost.database)
+            postgres = PostgresLedger(
+                cost.database, spool=spool_path(resolve_ledger_path(cost, self._env))
+            )
             await postgres.open()
             ledger: UsageLedger = postgres
         else:
