@@ -115,6 +115,8 @@ class GatewayState:
         #: ``infermux_register_metrics``. Never the global one: apps may share a process.
         self.metrics_registry = CollectorRegistry(auto_describe=True)
         self._load_task: asyncio.Task[None] | None = None
+        #: With shared state: the loop that opens circuits other replicas opened.
+        self._circuit_sync_task: asyncio.Task[None] | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -204,6 +206,13 @@ class GatewayState:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.exception("building the router failed")
             return
+        if self.shared_state is not None:
+            from gateway.shared_circuit import CircuitSync
+
+            sync = CircuitSync(self.shared_state, self.router, list(self.backends))
+            self._circuit_sync_task = asyncio.create_task(
+                sync.run(), name="infermux-circuit-sync"
+            )
         if self.startup_error is not None:
             logger.error("infermux cannot start: %s", self.startup_error)
             return
@@ -216,6 +225,8 @@ class GatewayState:
     async def shutdown(self) -> None:
         """Stop loading, close every backend, tell plugins."""
         self.draining = True
+        if self._circuit_sync_task is not None:
+            self._circuit_sync_task.cancel()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             try:
