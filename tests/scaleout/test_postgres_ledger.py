@@ -38,6 +38,17 @@ def rows(url: str) -> list[tuple[str, int]]:
         ).fetchall()
 
 
+def served_id(gw: object, content: str = "hi") -> str:
+    """The ``x-request-id`` of a chat completion that ``gw`` answered 200."""
+    response = httpx.post(
+        f"{gw}/v1/chat/completions",
+        json={"model": "echo", "messages": [{"role": "user", "content": content}]},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    return response.headers["x-request-id"]
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gateway.cli", *args],
@@ -60,17 +71,8 @@ def test_two_replicas_write_one_row_per_request(postgres_url: str, tmp_path: Pat
     with ExitStack() as stack:
         pair = [stack.enter_context(serving(config, {})) for _ in range(2)]
 
-        def one(index: int) -> str:
-            response = httpx.post(
-                f"{pair[index % 2]}/v1/chat/completions",
-                json={"model": "echo", "messages": [{"role": "user", "content": "one two"}]},
-                timeout=30,
-            )
-            assert response.status_code == 200, response.text
-            return response.headers["x-request-id"]
-
         with ThreadPoolExecutor(8) as pool:
-            request_ids = list(pool.map(one, range(40)))
+            request_ids = list(pool.map(lambda i: served_id(pair[i % 2], "one two"), range(40)))
 
         # Each record was committed before its response ended.
         counted = rows(postgres_url)
@@ -160,27 +162,18 @@ def test_postgres_down_spools_records_and_moves_them_once_it_is_back(tmp_path: P
         )
         spool = tmp_path / "ledger.pg-spool.sqlite3"
 
-        def post(gw: object) -> str:
-            response = httpx.post(
-                f"{gw}/v1/chat/completions",
-                json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]},
-                timeout=30,
-            )
-            assert response.status_code == 200, response.text
-            return response.headers["x-request-id"]
-
         with serving(config, {}) as gw:
-            request_ids = [post(gw) for _ in range(3)]
+            request_ids = [served_id(gw) for _ in range(3)]
             assert len(rows(server.url)) == 3
             server.kill()
-            request_ids += [post(gw) for _ in range(5)]  # every one answered 200
+            request_ids += [served_id(gw) for _ in range(5)]  # every one answered 200
             assert spool.exists()
             server.start()
             deadline = time.monotonic() + 60
             while len(rows(server.url)) < 8:  # the mover tries every 2 s
                 assert time.monotonic() < deadline, "spooled records were not moved"
                 time.sleep(0.2)
-            request_ids.append(post(gw))  # straight to Postgres again
+            request_ids.append(served_id(gw))  # straight to Postgres again
             log = gw.log_path.read_text()
         counted = dict(rows(server.url))
         assert sorted(counted) == sorted(request_ids)
