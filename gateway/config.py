@@ -152,6 +152,9 @@ class ApiKeyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: Requests per minute and tokens (prompt + completion) per minute; None: unlimited.
     rpm: Annotated[int, msgspec.Meta(ge=1)] | None = None
     tpm: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: Generation requests of this key in flight at once (across replicas with
+    #: ``[state] backend = "redis"``); one more is refused with 429. None: no cap.
+    max_concurrent: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,7 +1,7 @@
 """Admission: per-key rate limits, then the global limit on concurrent generation requests.
 
 Per key (``[[auth.keys]]`` ``rpm`` / ``tpm``) two token buckets refill continuously over a
-minute. A request takes one request token; its tokens (prompt + completion, from the
+minute, and ``max_concurrent`` caps the key's requests in flight. A request takes one request token; its tokens (prompt + completion, from the
 backend's usage) are charged when it ends, so the token bucket may go below zero and then
 refuses requests until it has refilled above zero. Refusals are 429 ``rate_limit_exceeded``
 with ``Retry-After``; every answer of a limited key carries OpenAI's ``x-ratelimit-*``
@@ -38,11 +38,16 @@ __all__ = [
     "KeyLimits",
     "KeyRateLimiter",
     "TokenBucket",
+    "LOCAL_LEASE",
+    "concurrency_refusal",
     "rate_limit_headers",
     "rate_limit_refusal",
 ]
 
 Clock = Callable[[], float]
+
+#: The lease of a slot counted in this process (shared ones are random ids).
+LOCAL_LEASE = "local"
 
 #: Seconds a client refused for a full queue is told to wait.
 _OVERLOADED_RETRY_AFTER_S = 1.0
@@ -93,6 +98,15 @@ class KeyLimits(Protocol):
         """Count the tokens a finished (or failed, or abandoned) request used."""
         ...
 
+    async def enter(self, key: ApiKeyConfig | None) -> str | None:
+        """Take one of the key's ``max_concurrent`` slots: a lease to :meth:`leave` with
+        (None: the key has no cap), or :class:`RateLimitError`."""
+        ...
+
+    async def leave(self, key: ApiKeyConfig, lease: str) -> None:
+        """Give back the slot :meth:`enter` leased."""
+        ...
+
 
 #: (kind, capacity per minute, level now): one bucket as the headers and refusals see it.
 BucketLevel = tuple[str, int, float]
@@ -125,12 +139,24 @@ def rate_limit_refusal(
     )
 
 
+def concurrency_refusal(key: ApiKeyConfig, max_concurrent: int) -> RateLimitError:
+    """The 429 of ``key`` with ``max_concurrent`` requests already in flight."""
+    return RateLimitError(
+        f"too many concurrent requests for key {key.id!r}: at most {max_concurrent} at once; "
+        "retry when one has finished",
+        retry_after=1.0,
+    )
+
+
 class KeyRateLimiter:
-    """The ``rpm`` / ``tpm`` buckets of every key that has them, in this process."""
+    """The ``rpm`` / ``tpm`` buckets and ``max_concurrent`` counts of every key that has
+    them, in this process."""
 
     def __init__(self, keys: Sequence[ApiKeyConfig], *, clock: Clock = time.monotonic) -> None:
         self._requests = {k.id: TokenBucket(k.rpm, clock=clock) for k in keys if k.rpm}
         self._tokens = {k.id: TokenBucket(k.tpm, clock=clock) for k in keys if k.tpm}
+        self._max_concurrent = {k.id: k.max_concurrent for k in keys if k.max_concurrent}
+        self._num_active: dict[str, int] = {}
 
     async def admit(self, key: ApiKeyConfig | None) -> dict[str, str]:
         """Take one request; the ``x-ratelimit-*`` headers, or :class:`RateLimitError`."""
@@ -159,6 +185,21 @@ class KeyRateLimiter:
         bucket = self._tokens.get(key.id)
         if bucket is not None:
             bucket.charge(num_tokens)
+
+    async def enter(self, key: ApiKeyConfig | None) -> str | None:
+        """Count one more request of the key in flight, or :class:`RateLimitError`."""
+        if key is None or key.id not in self._max_concurrent:
+            return None
+        cap = self._max_concurrent[key.id]
+        num_active = self._num_active.get(key.id, 0)
+        if num_active >= cap:
+            raise concurrency_refusal(key, cap)
+        self._num_active[key.id] = num_active + 1
+        return LOCAL_LEASE
+
+    async def leave(self, key: ApiKeyConfig, lease: str) -> None:
+        """One request of the key fewer in flight."""
+        self._num_active[key.id] -= 1
 
 
 class ConcurrencyLimiter:
@@ -220,21 +261,24 @@ class ConcurrencyLimiter:
 
 
 class Grant:
-    """An admitted request: its rate-limit headers and its slot, released once."""
+    """An admitted request: its rate-limit headers, its slot and its key's concurrency
+    lease, released once."""
 
     def __init__(
         self,
         admission: Admission,
         key: ApiKeyConfig | None,
         headers: dict[str, str],
+        lease: str | None = None,
     ) -> None:
         self._admission = admission
         self._key = key
         self.headers = headers
+        self._lease = lease
         self._released = False
 
     async def release(self, num_tokens: int = 0) -> None:
-        """Free the slot, then charge ``num_tokens`` to the key (idempotent).
+        """Free the slot and the lease, then charge ``num_tokens`` to the key (idempotent).
 
         Awaited, so that with shared limits the charge is in Redis before the response's
         last bytes leave and the client's next request, on any replica, sees it."""
@@ -242,7 +286,10 @@ class Grant:
             return
         self._released = True
         self._admission.concurrency.release()
-        await self._admission.rate_limiter.charge_tokens(self._key, num_tokens)
+        limiter = self._admission.rate_limiter
+        if self._lease is not None and self._key is not None:
+            await limiter.leave(self._key, self._lease)
+        await limiter.charge_tokens(self._key, num_tokens)
 
 
 class Admission:
@@ -275,9 +322,16 @@ class Admission:
         return self.concurrency.num_active + self.concurrency.num_queued
 
     async def admit(self, key: ApiKeyConfig | None) -> Grant:
-        headers = await self.rate_limiter.admit(key)
-        await self.concurrency.acquire()
-        return Grant(self, key, headers)
+        # The key's concurrency first: a request refused for it spends no request token.
+        lease = await self.rate_limiter.enter(key)
+        try:
+            headers = await self.rate_limiter.admit(key)
+            await self.concurrency.acquire()
+        except BaseException:
+            if lease is not None and key is not None:
+                await self.rate_limiter.leave(key, lease)
+            raise
+        return Grant(self, key, headers, lease)
 
 
 def _duration(seconds: float) -> str:

@@ -8,6 +8,11 @@ the same instant are serialised by Redis and together take at most the key's lim
 clock is Redis's own (``TIME``), so the replicas' clocks need not agree. A bucket expires
 once it would be full again: an idle key costs no memory.
 
+A key's ``max_concurrent`` is a sorted set of leases, one per request in flight, scored by
+when the lease expires (:data:`LEASE_TTL_S` after it was taken): taking one drops the
+expired, counts, and adds, in one script. A replica that dies holding leases frees them
+when they expire; a request running longer than the TTL stops counting against the cap.
+
 Redis unreachable: ``on_unavailable = "closed"`` refuses (503 ``state_store_unavailable``);
 "open" admits on a :class:`~gateway.rate_limit.KeyRateLimiter` of this replica (each replica
 then grants the key its full limit: N replicas, N times the limit, until Redis is back).
@@ -16,18 +21,24 @@ then grants the key its full limit: N replicas, N times the limit, until Redis i
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 from gateway.config import ApiKeyConfig
 from gateway.rate_limit import (
+    LOCAL_LEASE,
     BucketLevel,
     KeyRateLimiter,
+    concurrency_refusal,
     rate_limit_headers,
     rate_limit_refusal,
 )
 from plugins.shared_state import RedisState, StateStoreDown
 
-__all__ = ["SharedKeyRateLimiter"]
+__all__ = ["LEASE_TTL_S", "SharedKeyRateLimiter"]
+
+#: How long a concurrency lease lasts at most (longer than any request should run).
+LEASE_TTL_S = 600.0
 
 # The level of a bucket now (refilled from its stored level), and how to store it back.
 _BUCKET = """
@@ -80,6 +91,20 @@ return 1
 )
 
 
+#: KEYS: the key's leases. ARGV: max_concurrent, a new lease id, its TTL in ms. 1: taken.
+_ENTER = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+return 1
+"""
+#: KEYS: the key's leases. ARGV: the lease to give back.
+_LEAVE = "return redis.call('ZREM', KEYS[1], ARGV[1])"
+
+
 class SharedKeyRateLimiter:
     """:class:`~gateway.rate_limit.KeyLimits` in Redis; see the module docstring."""
 
@@ -92,6 +117,7 @@ class SharedKeyRateLimiter:
     ) -> None:
         self._state = state
         self._limits = {k.id: (k.rpm or 0, k.tpm or 0) for k in keys if k.rpm or k.tpm}
+        self._max_concurrent = {k.id: k.max_concurrent for k in keys if k.max_concurrent}
         #: The limits of this replica alone, used while Redis is down and failing open.
         self._local = KeyRateLimiter(keys, clock=clock)
 
@@ -132,3 +158,31 @@ class SharedKeyRateLimiter:
             # Failing closed nothing is admitted meanwhile; failing open the local bucket
             # is the one admitting, so it is the one to charge.
             await self._local.charge_tokens(key, num_tokens)
+
+    async def enter(self, key: ApiKeyConfig | None) -> str | None:
+        """Lease one of the key's ``max_concurrent`` slots in Redis, or 429."""
+        if key is None or key.id not in self._max_concurrent:
+            return None
+        cap = self._max_concurrent[key.id]
+        lease = uuid.uuid4().hex
+        try:
+            taken = await self._state.run(
+                _ENTER, [self._state.key("conc", key.id)], [cap, lease, int(LEASE_TTL_S * 1000)]
+            )
+        except StateStoreDown:
+            if self._state.fail_open:
+                return await self._local.enter(key)
+            raise self._state.unavailable("the per-key concurrency caps") from None
+        if not int(taken):
+            raise concurrency_refusal(key, cap)
+        return lease
+
+    async def leave(self, key: ApiKeyConfig, lease: str) -> None:
+        """Give the lease back (a local one to the local count)."""
+        if lease == LOCAL_LEASE:
+            await self._local.leave(key, lease)
+            return
+        try:
+            await self._state.run(_LEAVE, [self._state.key("conc", key.id)], [lease])
+        except StateStoreDown:
+            pass  # the lease expires by itself (LEASE_TTL_S)

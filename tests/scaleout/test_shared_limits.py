@@ -27,6 +27,7 @@ KEYS = {
     "carol": "",  # a budget
     "dave": "rpm = 100000",  # limited (so admission asks Redis), never reached
     "erin": "rpm = 3",
+    "fay": "max_concurrent = 2",
 }
 
 
@@ -39,7 +40,9 @@ def config_text(*, on_unavailable: str, ledger_extra: str = "") -> str:
         '[state]\nbackend = "redis"\nurl_env = "TEST_REDIS_URL"\n'
         f'on_unavailable = "{on_unavailable}"\nretry_interval_s = 0.2\n'
         '[[backends]]\nname = "mock"\nkind = "mock"\n'
+        '[[backends]]\nname = "slow"\nkind = "mock"\n[backends.options]\ntoken_delay_s = 0.05\n'
         '[[models]]\nalias = "echo"\nbackends = ["mock"]\n'
+        '[[models]]\nalias = "slow"\nbackends = ["slow"]\n'
         f"{keys}"
         f"[cost]\n{ledger_extra}"
         # One dollar a token: one ten-word request (20 tokens) spends carol's budget.
@@ -197,3 +200,31 @@ def test_redis_killed_fails_open_on_each_replicas_own_limits(
         # Redis came back empty: one shared bucket of 3 again.
         back = [chat(pair[i % 2], "erin").status_code for i in range(6)]
         assert back == [200, 200, 200, 429, 429, 429], back
+
+
+def test_a_keys_concurrency_cap_holds_across_replicas(
+    redis: RedisServer, closed_pair: list[Gateway]
+) -> None:
+    a, b = closed_pair
+    body = {
+        "model": "slow",
+        "stream": True,
+        "messages": [{"role": "user", "content": TEN_WORDS}],
+    }
+    headers = {"authorization": "Bearer k-fay"}
+    with httpx.Client(timeout=30) as client, ExitStack() as streams:
+        opened = []
+        for gw in (a, b):  # one stream in flight on each replica
+            response = streams.enter_context(
+                client.stream("POST", f"{gw}/v1/chat/completions", json=body, headers=headers)
+            )
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            opened.append(lines)
+        refused = chat(a, "fay")
+        assert refused.status_code == 429
+        assert "at most 2 at once" in error_of(refused)["message"]
+        for lines in opened:  # to the end: the leases are given back before [DONE]
+            assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    assert chat(b, "fay").status_code == 200
