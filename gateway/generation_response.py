@@ -111,7 +111,7 @@ async def respond(
                 capture_output=gateway.config.telemetry.tracing.record_content,
             )
         except BaseException:
-            grant.release()
+            await grant.release()
             raise
         if collect:
             try:
@@ -201,7 +201,7 @@ def _shielded() -> anyio.CancelScope:
 async def _settle(run: ChoiceRun, grant: Grant) -> None:
     """Stop the upstream work, then free the slot and charge the tokens (idempotent)."""
     await run.abort()
-    grant.release(run.total_usage().total_tokens)
+    await grant.release(run.total_usage().total_tokens)
 
 
 async def _end(run: ChoiceRun, grant: Grant) -> None:

@@ -29,6 +29,7 @@ from backends.worker import WorkerBackend
 from gateway.auth import KeyStore
 from gateway.config import InfermuxConfig
 from gateway.rate_limit import Admission
+from plugins.shared_state import open_state
 
 if TYPE_CHECKING:
     from gateway.router import ModelRouter
@@ -106,12 +107,16 @@ class GatewayState:
         self.draining = False
         #: API keys (gateway/auth.py) and admission: per-key limits, global concurrency.
         self.key_store = KeyStore(config.auth.keys)
-        self.admission = Admission(config.limits, config.auth.keys)
+        #: ``[state] backend = "redis"``: the per-key limits every replica shares.
+        self.shared_state = open_state(config.state)
+        self.admission = Admission(config.limits, config.auth.keys, state=self.shared_state)
         self.started_at = int(time.time())
         #: This app's Prometheus registry (``GET /metrics``); plugins add to it through
         #: ``infermux_register_metrics``. Never the global one: apps may share a process.
         self.metrics_registry = CollectorRegistry(auto_describe=True)
         self._load_task: asyncio.Task[None] | None = None
+        #: With shared state: the loop that opens circuits other replicas opened.
+        self._circuit_sync_task: asyncio.Task[None] | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -201,6 +206,13 @@ class GatewayState:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.exception("building the router failed")
             return
+        if self.shared_state is not None:
+            from gateway.shared_circuit import CircuitSync
+
+            sync = CircuitSync(self.shared_state, self.router, list(self.backends))
+            self._circuit_sync_task = asyncio.create_task(
+                sync.run(), name="infermux-circuit-sync"
+            )
         if self.startup_error is not None:
             logger.error("infermux cannot start: %s", self.startup_error)
             return
@@ -213,6 +225,8 @@ class GatewayState:
     async def shutdown(self) -> None:
         """Stop loading, close every backend, tell plugins."""
         self.draining = True
+        if self._circuit_sync_task is not None:
+            self._circuit_sync_task.cancel()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             try:
@@ -222,6 +236,8 @@ class GatewayState:
         for backend in self.backends.values():
             await _close_quietly(backend)
         await self.hooks.shutdown()
+        if self.shared_state is not None:
+            await self.shared_state.aclose()
 
 
 async def _close_quietly(backend: Backend) -> None:
