@@ -118,16 +118,18 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
 ) -> RenderedChat:
-    """The prompt text of ``messages`` (``tools``: OpenAI tool objects to offer, or None)."""
+    """The prompt text of ``messages`` (``tools``: OpenAI tool objects to offer, or None);
+    without ``add_generation_prompt``, a prefix of the conversation (cache pins)."""
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if fmt.native_tools:
         extra = {"tools": [dict(t) for t in tools]} if tools else {}
-        text = template.render(_native(messages), add_generation_prompt=True, **extra)
+        text = template.render(_native(messages), add_generation_prompt=add_generation_prompt, **extra)
     elif tools or has_tool_turns:
-        text = template.render(_fallback(messages, tools), add_generation_prompt=True)
+        text = template.render(_fallback(messages, tools), add_generation_prompt=add_generation_prompt)
     else:
-        text = template.render([dict(m) for m in messages], add_generation_prompt=True)
+        text = template.render([dict(m) for m in messages], add_generation_prompt=add_generation_prompt)
     markers = fmt.reasoning_markers
     reasoning_open = markers is not None and text.rstrip().endswith(markers[0])
     return RenderedChat(text=text, reasoning_open=reasoning_open)

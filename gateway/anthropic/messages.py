@@ -21,10 +21,18 @@ from typing import Any
 
 import msgspec
 
-from backends.base import ChatMessage, GenerationChunk, GenerationRequest, SamplingParams, ToolCall
+from backends.base import (
+    ChatMessage,
+    GenerationChunk,
+    GenerationRequest,
+    PrefixPin,
+    SamplingParams,
+    ToolCall,
+)
 from backends.errors import InvalidRequestError
 from gateway.anthropic.errors import anthropic_error_frame
 from gateway.anthropic.schemas import (
+    CacheControl,
     Message,
     MessagesRequest,
     TextBlock,
@@ -45,6 +53,7 @@ from gateway.structured_outputs import bounded_json
 
 __all__ = ["MESSAGES", "messages_generation_request"]
 
+_TTL_S = {"5m": 300.0, "1h": 3600.0}
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 _encoder = msgspec.json.Encoder()
 
@@ -141,11 +150,27 @@ def messages_generation_request(body: MessagesRequest, context: RequestContext) 
             "characters are allowed", param="stop_sequences",
         )
     messages: list[ChatMessage] = []
+    # cache_control breakpoints: the prefix through the marked block's turn stays cached.
+    pins: dict[int, float] = {}
+
+    def mark(control: CacheControl | None) -> None:
+        if control is not None:
+            ttl = _TTL_S[control.ttl or "5m"]
+            pins[len(messages)] = max(ttl, pins.get(len(messages), 0.0))
+
+    for tool in body.tools or ():
+        mark(tool.cache_control)
     system = _system_text(body.system)
     if system:
         messages.append(ChatMessage(role="system", content=system))
+        for block in body.system if isinstance(body.system, list) else ():
+            mark(block.cache_control)
     for i, message in enumerate(body.messages):
         messages.extend(_turns(i, message.role, message.content))
+        for block in message.content if isinstance(message.content, list) else ():
+            if not isinstance(block, ThinkingBlockParam):
+                mark(block.cache_control)
+    mark(body.cache_control)
     budget = None
     if body.thinking is not None:
         budget = (body.thinking.budget_tokens or 0) if body.thinking.type == "enabled" else 0
@@ -166,6 +191,7 @@ def messages_generation_request(body: MessagesRequest, context: RequestContext) 
         user=body.metadata.user_id if body.metadata is not None else None,
         reasoning_budget=budget,
         max_reasoning_tokens=budget,
+        prefix_pins=tuple(PrefixPin(num_messages=n, ttl_s=ttl) for n, ttl in sorted(pins.items())),
         traceparent=context.traceparent,
         labels=dict(context.labels),
         **_tools(body, context),

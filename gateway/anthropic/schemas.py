@@ -109,6 +109,8 @@ class MessagesRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    #: Automatic caching: the whole prompt is a breakpoint.
+    cache_control: CacheControl | None = None
 
 
 class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):

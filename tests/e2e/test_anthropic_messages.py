@@ -42,7 +42,9 @@ def gw(live_gateway: Any) -> Iterator[LiveGateway]:
     config = gateway_config(
         BackendConfig(name="core", kind="core_engine", options={"num_threads": 2, "kv_cache_memory_mb": 64}),
         BackendConfig(name="llamacpp", kind="llamacpp", options={"n_ctx": 1024, "parallel": 2}),
-        models={name: [name] for name in BACKENDS},
+        # A small KV cache, which a few long prompts fill: for cache_control pins.
+        BackendConfig(name="small-kv", kind="core_engine", options={"num_threads": 2, "kv_cache_memory_mb": 32}),
+        models={name: [name] for name in (*BACKENDS, "small-kv")},
         auth=AuthConfig(keys=[ApiKeyConfig(id="test", key_sha256=hashlib.sha256(KEY.encode()).hexdigest())]),
     )
     with live_gateway(config) as gateway:
@@ -134,3 +136,27 @@ def test_errors_are_the_sdk_s_status_errors_in_anthropic_s_envelope(gw: LiveGate
     # The OpenAI routes keep OpenAI's envelope.
     openai_style = httpx.post(f"{gw}/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, json={})
     assert "param" in openai_style.json()["error"]
+
+
+SYSTEM = " ".join(f"Rule {i}: answer in one short sentence about topic number {i}." for i in range(12))
+
+
+def _flood(client: anthropic.Anthropic) -> None:
+    for i in range(6):  # long, distinct prompts: together more than the whole KV cache
+        text = " ".join(f"item{i}-{j}" for j in range(40))
+        client.messages.create(model="small-kv", max_tokens=2, messages=[{"role": "user", "content": text}])
+
+
+def test_cache_control_pins_the_marked_prefix_through_other_traffic(gw: LiveGateway) -> None:
+    client = _client(gw)
+    marked = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    for system, pinned in (([{"type": "text", "text": SYSTEM}], False), (marked, True)):
+        first = client.messages.create(model="small-kv", max_tokens=2, system=system, messages=QUESTION)
+        _flood(client)
+        again = client.messages.create(model="small-kv", max_tokens=2, system=system, messages=QUESTION)
+        cached = again.usage.cache_read_input_tokens or 0
+        assert again.usage.input_tokens + cached == first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+        if pinned:
+            assert cached >= 64  # the system prompt's whole blocks, read from the cache
+        else:
+            assert cached == 0  # evicted by the other prompts
