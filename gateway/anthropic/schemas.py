@@ -11,13 +11,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 __all__ = [
-    "CacheControl",
-    "MessageParam",
+    "AnthropicErrorResponse",
+    "CountTokensRequest",
+    "CountTokensResponse",
+    "Message",
     "MessagesRequest",
-    "TextBlockParam",
-    "ToolParam",
-    "ToolResultBlockParam",
-    "ToolUseBlockParam",
 ]
 
 PositiveTokens = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
@@ -67,14 +65,14 @@ class MessageParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     content: str | list[ContentBlockParam]
 
 
-class ToolParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class MessagesToolParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     name: ToolName
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: CacheControl | None = None
 
 
-class ToolChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class MessagesToolChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """``auto`` (default), ``any`` (some tool), ``tool`` (the named one), ``none``."""
 
     type: Literal["auto", "any", "tool", "none"]
@@ -106,8 +104,8 @@ class MessagesRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
     metadata: Metadata | None = None
     stream: bool | None = None
-    tools: list[ToolParam] | None = None
-    tool_choice: ToolChoice | None = None
+    tools: list[MessagesToolParam] | None = None
+    tool_choice: MessagesToolChoice | None = None
     thinking: ThinkingConfig | None = None
     #: Automatic caching: the whole prompt is a breakpoint.
     cache_control: CacheControl | None = None
@@ -119,8 +117,8 @@ class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     model: str
     messages: Annotated[list[MessageParam], msgspec.Meta(min_length=1)]
     system: str | list[TextBlockParam] | None = None
-    tools: list[ToolParam] | None = None
-    tool_choice: ToolChoice | None = None
+    tools: list[MessagesToolParam] | None = None
+    tool_choice: MessagesToolChoice | None = None
 
 
 # -- answers -------------------------------------------------------------------------------
@@ -163,3 +161,15 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 class CountTokensResponse(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     input_tokens: int
+
+
+class AnthropicError(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """``{"type": "error", "error": {"type", "message"}}``: every error of these routes."""
+
+    type: Literal["error"]
+    error: AnthropicError

@@ -160,3 +160,17 @@ def test_cache_control_pins_the_marked_prefix_through_other_traffic(gw: LiveGate
             assert cached >= 64  # the system prompt's whole blocks, read from the cache
         else:
             assert cached == 0  # evicted by the other prompts
+
+
+def test_a_message_is_one_ledger_row_with_its_tokens(gw: LiveGateway) -> None:
+    def totals() -> dict[str, Any]:
+        return httpx.get(f"{gw}/v1/usage", headers={"x-api-key": KEY}, timeout=30).json()["totals"]
+
+    before = totals()
+    message = _client(gw).messages.create(model="core", max_tokens=8, messages=QUESTION)
+    after = totals()
+    assert after["requests"] == before["requests"] + 1
+    assert after["input_tokens"] - before["input_tokens"] == message.usage.input_tokens + (
+        message.usage.cache_read_input_tokens or 0
+    )
+    assert after["output_tokens"] - before["output_tokens"] == message.usage.output_tokens

@@ -99,4 +99,5 @@ def test_every_response_conforms_to_the_openapi_document(gw: LiveGateway) -> Non
     # The fuzzing reached the backend, not only the validation paths.
     assert 200 in seen["POST /v1/chat/completions (positive)"]
     assert 200 in seen["POST /v1/completions (positive)"]
+    assert 200 in seen["POST /v1/messages (positive)"]
     assert all(status < 500 for statuses in seen.values() for status in statuses)
