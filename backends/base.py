@@ -25,6 +25,7 @@ __all__ = [
     "GenerationRequest",
     "HealthStatus",
     "ModelInfo",
+    "PrefixPin",
     "SamplingParams",
     "SpeculationStats",
     "TokenLogprob",
@@ -82,6 +83,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     echo: bool = False
 
 
+class PrefixPin(msgspec.Struct, frozen=True, kw_only=True):
+    """Keep the prompt's prefix through its first ``num_messages`` messages (tools
+    included) in the prefix cache for ``ttl_s`` after the request (Anthropic's
+    ``cache_control`` breakpoints; engines with a prefix cache honour it)."""
+
+    num_messages: int
+    ttl_s: float
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One backend-neutral generation (one choice). Built by the controller; frozen."""
 
@@ -130,6 +140,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     reasoning_effort: str | None = None
     max_reasoning_tokens: int | None = None
     reasoning_budget: int | None = None
+    #: Prefixes to keep cached (the core engine pins them).
+    prefix_pins: tuple[PrefixPin, ...] = ()
     #: Incoming W3C trace context to propagate to remote backends.
     traceparent: str | None = None
     #: Free-form labels plugins may attach (routing hints, tenant tags).

@@ -32,7 +32,7 @@ from core_engine.chat.template import FALLBACK_CHATML_TEMPLATE, ChatTemplate, Ch
 from core_engine.chat.tool_calls import make_tool_call_parser
 from core_engine.chat.tool_grammar import tool_call_grammar
 
-__all__ = ["ChatOptions", "ChatPlan", "load_chat", "message_dicts", "plan_chat"]
+__all__ = ["ChatOptions", "ChatPlan", "load_chat", "message_dicts", "pinned_prefixes", "plan_chat"]
 
 
 class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -98,14 +98,16 @@ class ChatPlan:
     reasoning_markers: tuple[str, str] | None
     reasoning_open: bool
 
-    async def parse(self, chunks: AsyncGenerator[GenerationChunk, None]) -> AsyncIterator[GenerationChunk]:
+    async def parse(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncGenerator[GenerationChunk, None]:
         """``chunks`` with their text split into reasoning, content and tool calls; closing
         this iterator closes ``chunks`` (which aborts the backend's work)."""
         try:
             async for chunk in self._parsed(chunks):
                 yield chunk
         finally:
-            await chunks.aclose()
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     async def _parsed(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
         if self.tool_format is None and self.reasoning_markers is None:
@@ -185,3 +187,17 @@ def plan_chat(request: GenerationRequest, template: ChatTemplate, fmt: ChatForma
         reasoning_markers=markers,
         reasoning_open=rendered.reasoning_open,
     )
+
+
+def pinned_prefixes(request: GenerationRequest, template: ChatTemplate, fmt: ChatFormat) -> list[tuple[str, float]]:
+    """The text of each prefix ``request.prefix_pins`` names, with its TTL."""
+    offered = list(request.tools) if request.tools and request.tool_choice != "none" else None
+    messages = message_dicts(request.messages)
+    out = []
+    for pin in request.prefix_pins:
+        try:
+            rendered = render_chat(template, fmt, messages[: pin.num_messages], tools=offered, add_generation_prompt=False)
+        except ChatTemplateError:
+            continue  # a template that cannot end on this message: nothing to pin
+        out.append((rendered.text, pin.ttl_s))
+    return out

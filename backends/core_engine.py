@@ -40,7 +40,7 @@ from backends.base import (
     Usage,
 )
 from backends.base import SamplingParams as WireParams
-from backends.chat_plan import ChatOptions, ChatPlan, load_chat, plan_chat
+from backends.chat_plan import ChatOptions, ChatPlan, load_chat, pinned_prefixes, plan_chat
 from backends.errors import (
     BackendConfigError,
     BackendError,
@@ -599,7 +599,9 @@ class CoreEngineBackend:
         if llm is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         sender = self._transfer_end(self._kv_sender, "prefill")
-        plan = plan_chat(request, self._template, self._chat_format) if request.kind == "chat" else None
+        plan = None
+        if request.kind == "chat" and self._template is not None:
+            plan = plan_chat(request, self._template, self._chat_format)
         prompt_ids, _ = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size, plan)
         params = self._engine_params(request.params, request.kind == "completion")
         self._counter += 1
@@ -644,11 +646,20 @@ class CoreEngineBackend:
         params = request.params
         prompt_param = "messages" if request.kind == "chat" else "prompt"
         prompt_ids, prompt_text = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size, plan)
+        pins: tuple[tuple[int, float], ...] = ()
+        if plan is not None and request.prefix_pins and self._template is not None:
+            tokenizer = llm.engine.tokenizer
+            pins = tuple(
+                (len(tokenizer.encode(text, add_special=not (self._bos_text and text.startswith(self._bos_text)),
+                                      parse_special=True)), ttl_s)
+                for text, ttl_s in pinned_prefixes(request, self._template, self._chat_format)
+            )
         engine_params = self._engine_params(
             params,
             request.kind == "completion",
             plan.structured_outputs if plan is not None else request.structured_outputs,
             plan.thinking if plan is not None else None,
+            pins,
         )
         self._counter += 1
         req_id = f"{request.request_id}-{request.choice_index}-{self._counter}"
@@ -759,7 +770,11 @@ class CoreEngineBackend:
 
     @staticmethod
     def _engine_params(
-        params: WireParams, is_completion: bool, structured: dict[str, Any] | None = None, thinking: Any = None
+        params: WireParams,
+        is_completion: bool,
+        structured: dict[str, Any] | None = None,
+        thinking: Any = None,
+        pin_prefix: tuple[tuple[int, float], ...] = (),
     ) -> Any:
         from core_engine.errors import InvalidParamError
         from core_engine.sampling_params import SamplingParams
@@ -771,6 +786,7 @@ class CoreEngineBackend:
             return SamplingParams(
                 structured_outputs=constraint,
                 thinking=thinking,
+                pin_prefix=pin_prefix,
                 max_tokens=params.max_tokens,
                 temperature=params.temperature,
                 top_p=params.top_p,

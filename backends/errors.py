@@ -20,6 +20,7 @@ Adapters translate their library's exceptions into this tree at their boundary
     ├── RateLimitError                     429 rate_limit_exceeded
     │   └── BudgetExceededError            429 budget_exceeded
     ├── ServerOverloadedError              503 server_is_overloaded
+    ├── StateStoreUnavailableError         503 state_store_unavailable (Redis down, fail closed)
     └── BackendError                       502 backend_error          (upstream trouble)
         ├── BackendUnavailableError        503 backend_unavailable    (retryable)
         │   └── BackendConfigError         503 backend_misconfigured  (cannot start as configured)
@@ -48,6 +49,7 @@ __all__ = [
     "RateLimitError",
     "RequestTooLargeError",
     "ServerOverloadedError",
+    "StateStoreUnavailableError",
     "StreamIdleTimeoutError",
     "UnsupportedParameterError",
     "UpstreamRateLimitError",
@@ -162,6 +164,15 @@ class ServerOverloadedError(InfermuxError):
     status_code = 503
     error_type = "server_error"
     code = "server_is_overloaded"
+
+
+class StateStoreUnavailableError(InfermuxError):
+    """The shared state store ([state] backend = "redis") cannot be reached and
+    ``on_unavailable = "closed"``: no request is admitted that limits could not count."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "state_store_unavailable"
 
 
 class BackendError(InfermuxError):

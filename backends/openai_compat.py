@@ -46,6 +46,7 @@ from backends._openai_wire import (
     read_error_body,
     request_body,
     retry_after_seconds,
+    tool_call_deltas,
 )
 from backends._option import BackendOptionError, decode_options
 from backends._sse import SSEParser
@@ -57,6 +58,7 @@ from backends.base import (
     GenerationRequest,
     HealthStatus,
     ModelInfo,
+    ToolCallDelta,
     Usage,
 )
 from backends.deadline import Deadline, earliest
@@ -161,7 +163,12 @@ class OpenAICompatBackend:
         # Embeddings pass through to the upstream's /embeddings (``dimensions`` included:
         # the upstream decides whether its model can shorten its vectors).
         self.capabilities = Capabilities(
-            logprobs=True, echo=True, structured_outputs=True, embeddings=True, max_top_logprobs=20
+            logprobs=True,
+            echo=True,
+            structured_outputs=True,
+            tools=True,
+            embeddings=True,
+            max_top_logprobs=20,
         )
         self._base_url = self.options.base_url.rstrip("/")
         #: For the native client: where the upstream listens and its API root's path.
@@ -407,16 +414,28 @@ class OpenAICompatBackend:
             if choice.finish_reason is not None:
                 reason = choice.finish_reason
                 events.finish_reason = reason if reason in _FINISH_REASONS else "stop"  # type: ignore[assignment]
+            reasoning = ""
+            calls: tuple[ToolCallDelta, ...] = ()
             if is_chat:
-                text = choice.delta.content if choice.delta is not None else None
+                delta = choice.delta
+                text = delta.content if delta is not None else None
+                if delta is not None:
+                    reasoning = delta.reasoning_content or delta.reasoning or ""
+                    calls = tool_call_deltas(delta.tool_calls)
             else:
                 text = choice.text
             logprobs = None
             if choice.logprobs is not None:
                 logprobs = (chat_logprobs if is_chat else completion_logprobs)(choice.logprobs)
-            if not (text or logprobs):
+            if not (text or logprobs or reasoning or calls):
                 continue
             events.has_output = True
+            if reasoning or calls:  # not merged: each piece has its place in the answer
+                if texts:
+                    chunks.append(_text_chunk(texts))
+                    texts = []
+                chunks.append(GenerationChunk(text=text or "", reasoning=reasoning, tool_calls=calls, logprobs=logprobs))
+                continue
             if merge and logprobs is None and events.pending_prompt is None:
                 texts.append(text)  # type: ignore[arg-type]
                 continue

@@ -4,7 +4,10 @@ On the embedded SmolLM2-135M (default format):
 
 * compile: every schema of the test suite (``tests/core_engine/structured_schemas.py``)
   compiled cold (no cache), p50/p99 ms;
-* per-token mask: llguidance's mask computation per constrained row per step, p50/p99 ms;
+* per-token mask: llguidance's mask computation per constrained row per step inside the
+  engine (its helper thread shares the 2 cores with the forward pass), p50/p99 ms; and the
+  same masks alone, replaying the test schemas' constrained outputs token by token on one
+  thread with nothing else running (the figure llguidance publishes), p50/p99 ms;
 * decode step time at batch 1 and 16, unconstrained vs every row constrained to a JSON schema
   (the same prompts, greedy, 64 tokens), and the ratio (target: constrained <= 1.10x).
 
@@ -62,6 +65,36 @@ def _steps(engine: Any, batch: int, tokens: int, constrained: bool) -> dict[str,
             "tokens": generated, "steps": len(steps)}
 
 
+def _replayed_masks(engine: Any, schemas: list[dict[str, Any]], tokens: int) -> list[float]:
+    """Generate each schema's constrained output, then time each of its masks alone."""
+    import llguidance
+    import torch
+
+    from core_engine.sampling_params import SamplingParams
+    from core_engine.structured import StructuredOutput
+
+    outputs: dict[str, list[int]] = {}
+    for i, schema in enumerate(schemas):
+        params = SamplingParams(temperature=0, max_tokens=tokens, structured_outputs=StructuredOutput(json=schema))
+        engine.add_request(f"replay-{i}", "<|im_start|>user\nAnswer as JSON.<|im_end|>\n<|im_start|>assistant\n", params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.req_id, []).extend(out.new_token_ids)
+    words = (engine.model_config.vocab_size + 31) // 32
+    bitmask = torch.zeros((1, words), dtype=torch.int32)
+    executor = llguidance.LLExecutor()  # the engine's own call, on this thread
+    seconds: list[float] = []
+    for i, schema in enumerate(schemas):
+        matcher = engine.grammars.compile(StructuredOutput(json=schema))
+        for token in outputs.get(f"replay-{i}", []):
+            t = time.perf_counter()
+            executor.unsafe_compute_mask_ptr([(matcher, 0)], bitmask.data_ptr(), words * 4, 1)
+            seconds.append(time.perf_counter() - t)
+            if not matcher.consume_token(token):
+                break
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
@@ -94,10 +127,14 @@ def main(argv: list[str] | None = None) -> int:
             )
     masks = [s * 1e3 for s in engine.model_runner.token_masks.row_seconds]
     results["mask_per_row"] = {"rows": len(masks), "p50_ms": _percentile(masks, 50), "p99_ms": _percentile(masks, 99)}
+    print("replaying the test schemas' outputs, one mask at a time ...", flush=True)
+    alone = [s * 1e3 for s in _replayed_masks(engine, [schema for _, _, schema in SCHEMAS], args.tokens)]
+    results["mask_alone"] = {"masks": len(alone), "p50_ms": _percentile(alone, 50), "p99_ms": _percentile(alone, 99)}
     ratios = {f"batch_{b}": results[f"batch_{b}_constrained"]["step_p50_ms"] / results[f"batch_{b}_free"]["step_p50_ms"]
               for b in (1, 16)}
     print(f"\ncompile: {results['compile']}")
-    print(f"mask per row: {results['mask_per_row']}")
+    print(f"mask per row, in the engine: {results['mask_per_row']}")
+    print(f"mask alone (replay): {results['mask_alone']}")
     for b in (1, 16):
         free, con = results[f"batch_{b}_free"], results[f"batch_{b}_constrained"]
         print(f"batch {b:>2}: step p50 {free['step_p50_ms']:.2f} ms free, {con['step_p50_ms']:.2f} ms constrained "

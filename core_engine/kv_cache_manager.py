@@ -76,6 +76,11 @@ class KVCacheManager:
         #: Prefix-cache counters (tokens queried / hit) for metrics.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        #: Pinned prefix blocks (``SamplingParams.pin_prefix``): block id -> (block, expiry).
+        #: A pin is one more reference, so the block is never evicted until it expires; pins
+        #: hold at most a quarter of the pool, so they can never starve the requests.
+        self._pins: dict[int, tuple[KVCacheBlock, float]] = {}
+        self.max_pinned_blocks = max(1, num_blocks // 4)
 
     @property
     def num_blocks(self) -> int:
@@ -202,8 +207,49 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(excess))
         return len(excess)
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pins)
+
+    def pin_prefix(self, request: Request, num_tokens: int, ttl_s: float, now: float) -> int:
+        """Keep the cached blocks of ``request``'s first ``num_tokens`` tokens for ``ttl_s``
+        (a pinned block again pinned gets the later expiry). Call while the request still
+        holds its blocks; returns how many tokens are pinned (whole blocks)."""
+        if not self.enable_caching:
+            return 0
+        num_full = min(num_tokens // self.block_size, self._num_cached_blocks.get(request.req_id, 0))
+        self.update_block_hashes(request, num_full * self.block_size)
+        pool = self.block_pool
+        num_pinned = 0
+        for block_hash in request.block_hashes[:num_full]:
+            block = pool.get_cached_block(block_hash)  # the registered copy of this prefix
+            if block is None:
+                break
+            pinned = self._pins.get(block.block_id)
+            if pinned is None:
+                if len(self._pins) >= self.max_pinned_blocks:
+                    break
+                pool.touch([block])
+            expiry = max(now + ttl_s, pinned[1] if pinned is not None else 0.0)
+            self._pins[block.block_id] = (block, expiry)
+            num_pinned += 1
+        return num_pinned * self.block_size
+
+    def expire_pins(self, now: float) -> int:
+        """Release the pins whose time is up; returns how many blocks were released."""
+        expired = [block for block, expiry in self._pins.values() if expiry <= now]
+        for block in expired:
+            del self._pins[block.block_id]
+        # The prefix's last blocks first, as requests free theirs.
+        self.block_pool.free_blocks(reversed(expired))
+        return len(expired)
+
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (pins included); only when no request holds blocks."""
+        if self.req_to_blocks:
+            return False
+        self.expire_pins(float("inf"))
         return self.block_pool.reset_prefix_cache()

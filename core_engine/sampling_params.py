@@ -57,6 +57,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     #: A thinking budget (:mod:`core_engine.chat.budget`): the end-of-thinking marker is
     #: forced after ``budget`` reasoning tokens, and a constraint applies from there on.
     thinking: ThinkingParams | None = None
+    #: Prompt prefixes to keep in the prefix cache after the request: ``(num_tokens, ttl_s)``
+    #: pairs (Anthropic's ``cache_control`` breakpoints).
+    pin_prefix: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -148,6 +148,8 @@ class Scheduler:
         request.finished_time = time.monotonic()
         for listener in self.finish_listeners:
             listener(request)
+        for num_tokens, ttl_s in request.sampling_params.pin_prefix:
+            self.kv_cache_manager.pin_prefix(request, num_tokens, ttl_s, request.finished_time)
         self.kv_cache_manager.free(request)
         request.spec_token_ids = []
         del self.requests[request.req_id]
@@ -176,6 +178,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts and allocate their KV slots."""
+        self.kv_cache_manager.expire_pins(time.monotonic())
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         decodes: list[ScheduledRequest] = []

@@ -36,6 +36,7 @@ __all__ = [
     "PluginsConfig",
     "ReasoningConfig",
     "ServerConfig",
+    "StateConfig",
     "check_registered_names",
     "config_from_dict",
     "default_config",
@@ -155,6 +156,9 @@ class ApiKeyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: Requests per minute and tokens (prompt + completion) per minute; None: unlimited.
     rpm: Annotated[int, msgspec.Meta(ge=1)] | None = None
     tpm: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: Generation requests of this key in flight at once (across replicas with
+    #: ``[state] backend = "redis"``); one more is refused with 429. None: no cap.
+    max_concurrent: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -175,6 +179,30 @@ class ReasoningConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     )
 
 
+class StateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[state]``: where per-key rate limits and budget totals live (docs/scale-out.md).
+
+    "memory" keeps them in this process: right for one gateway. "redis" keeps them in one
+    Redis that every replica shares, so two replicas behind a load balancer grant a key its
+    limit once, not twice.
+    """
+
+    backend: Literal["memory", "redis"] = "memory"
+    #: The environment variable holding the ``redis://`` (or ``rediss://``) URL: the URL may
+    #: carry a password, so it never sits in the config file (as ``api_key_env``).
+    url_env: str | None = None
+    #: Redis unreachable: "closed" refuses generation requests (503
+    #: ``state_store_unavailable``); "open" admits them on this replica's own limits.
+    on_unavailable: Literal["closed", "open"] = "closed"
+    #: Prefix of every key infermux writes (several deployments may share one Redis).
+    key_prefix: str = "infermux:"
+    #: Connect and command timeout of one Redis call.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+    #: After a failed call, Redis is not tried again for this long (the configured
+    #: behaviour applies meanwhile); then the next request tries it.
+    retry_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+
+
 class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole routing config."""
 
@@ -189,6 +217,8 @@ class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     telemetry: TelemetryConfig = TelemetryConfig()
     #: Prices, the usage ledger and budgets (gateway/observability_config.py).
     cost: CostConfig = CostConfig()
+    #: Shared state of replicas: rate limits and budgets in memory or in Redis.
+    state: StateConfig = StateConfig()
 
 
 def default_backends() -> list[BackendConfig]:
@@ -359,6 +389,12 @@ def _validate(config: InfermuxConfig) -> None:
 
     _validate_auth(config.auth)
     _validate_plugins(config.plugins)
+    if config.state.backend == "redis" and not config.state.url_env:
+        raise _fail(
+            "state.url_env",
+            'backend = "redis" needs the name of the environment variable holding the '
+            "redis:// URL",
+        )
 
     seen_aliases: dict[str, int] = {}
     for i, model in enumerate(config.models):

@@ -25,6 +25,8 @@ from litestar.exceptions import (
 )
 
 from backends.errors import InfermuxError, InvalidRequestError, NotFoundError
+from gateway.anthropic.errors import PATH_PREFIX as ANTHROPIC_PATH_PREFIX
+from gateway.anthropic.errors import anthropic_error_response
 from gateway.request_id import REQUEST_ID_HEADER, request_id_of
 from gateway.validation_message import split_validation_message
 
@@ -103,9 +105,13 @@ def error_frame(error: InfermuxError) -> bytes:
 
 
 def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-    """Litestar exception handler for ``Exception`` (registered on the app)."""
+    """Litestar exception handler for ``Exception`` (registered on the app); the routes of
+    Anthropic's Messages API answer in its envelope."""
     request_id = request_id_of(request)
-    return error_response(to_infermux_error(exc, request_id), request_id)
+    error = to_infermux_error(exc, request_id)
+    if request.scope["path"].startswith(ANTHROPIC_PATH_PREFIX):
+        return anthropic_error_response(error, request_id)
+    return error_response(error, request_id)
 
 
 def invalid_body_error(exc: msgspec.ValidationError) -> InvalidRequestError:

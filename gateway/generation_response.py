@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import NamedTuple, Protocol, TypeVar
 
 import anyio
@@ -71,6 +71,10 @@ class Generation(NamedTuple):
     output: OutputBuilder
     n: int
     stream: bool
+    #: The stream's last frame, and the frame of an error after the first byte (OpenAI's
+    #: ``[DONE]`` and error envelope; Anthropic's Messages API has its own).
+    done_frame: bytes = DONE_FRAME
+    error_frame: Callable[[InfermuxError], bytes] = error_frame
 
 
 async def respond(
@@ -107,7 +111,7 @@ async def respond(
                 capture_output=gateway.config.telemetry.tracing.record_content,
             )
         except BaseException:
-            grant.release()
+            await grant.release()
             raise
         if collect:
             try:
@@ -121,7 +125,7 @@ async def respond(
     if generation.stream:
         # Until the first chunk exists a disconnect is watched here; then by the response.
         grant, run = await _while_connected(receive, admitted_run(collect=False))
-        await _stream(scope, receive, send, run, output, grant, request_id)
+        await _stream(scope, receive, send, run, generation, grant, request_id)
         return
 
     grant, run = await _while_connected(receive, admitted_run(collect=True))
@@ -156,11 +160,11 @@ async def _stream(
     receive: Receive,
     send: Send,
     run: ChoiceRun,
-    output: OutputBuilder,
+    generation: Generation,
     grant: Grant,
     request_id: str,
 ) -> None:
-    frames = _sse(run, output, request_id, grant)
+    frames = _sse(run, generation, request_id, grant)
 
     async def finish_stream() -> None:
         # Runs after a disconnect too; closing a finished generator is a no-op, and a
@@ -197,7 +201,7 @@ def _shielded() -> anyio.CancelScope:
 async def _settle(run: ChoiceRun, grant: Grant) -> None:
     """Stop the upstream work, then free the slot and charge the tokens (idempotent)."""
     await run.abort()
-    grant.release(run.total_usage().total_tokens)
+    await grant.release(run.total_usage().total_tokens)
 
 
 async def _end(run: ChoiceRun, grant: Grant) -> None:
@@ -209,8 +213,9 @@ async def _end(run: ChoiceRun, grant: Grant) -> None:
 
 
 async def _sse(
-    run: ChoiceRun, output: OutputBuilder, request_id: str, grant: Grant
+    run: ChoiceRun, generation: Generation, request_id: str, grant: Grant
 ) -> AsyncGenerator[bytes, None]:
+    output = generation.output
     try:
         start = output.start_frames()
         if start:
@@ -223,15 +228,14 @@ async def _sse(
         end = output.end_frames(run.total_usage())
         if end:
             yield end
-        # The Responses API's stream ends with its response.completed event, no [DONE].
-        if getattr(output, "sends_done", True):
-            yield DONE_FRAME
+        if generation.done_frame:
+            yield generation.done_frame
     except InfermuxError as exc:
         await _end(run, grant)
-        yield error_frame(exc)
+        yield generation.error_frame(exc)
     except Exception as exc:
         await _end(run, grant)
-        yield error_frame(to_infermux_error(exc, request_id))
+        yield generation.error_frame(to_infermux_error(exc, request_id))
     finally:
         # Cancelled by a disconnect: the cancellation must not interrupt the abort. The slot
         # is freed before plugins are told, so a slow plugin cannot hold it.

@@ -1,8 +1,11 @@
 """431 for requests whose request line and headers exceed ``[limits] max_header_bytes``.
 
 The check runs as app-wide middleware, before the API-key guard and before the body is read.
-uvicorn's own parser limit is set above this one (:func:`uvicorn_h11_limit`) so that the
-client gets the OpenAI envelope rather than uvicorn's bare 400 for any size up to that.
+Beyond four times the limit (at least 64 KiB) the HTTP protocol itself refuses the request
+while it is still arriving (:func:`uvicorn_header_limit`), so a client cannot make the server
+buffer an unbounded request head: with httptools (uvicorn's default parser, which has no
+limit of its own) a protocol subclass counts the head's bytes and answers 431 and closes; with
+h11 its ``h11_max_incomplete_event_size`` does the same with a bare 400.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ __all__ = [
     "HeaderLimitMiddleware",
     "RequestHeaderFieldsTooLargeError",
     "header_limit_middleware",
-    "uvicorn_h11_limit",
+    "uvicorn_header_limit",
 ]
 
 
@@ -60,10 +63,54 @@ def header_limit_middleware(max_bytes: int) -> DefineMiddleware:
     return DefineMiddleware(HeaderLimitMiddleware, max_bytes=max_bytes)
 
 
-def uvicorn_h11_limit(max_header_bytes: int) -> dict[str, Any]:
-    """uvicorn options that leave header-size refusals to :class:`HeaderLimitMiddleware`.
+def uvicorn_header_limit(max_header_bytes: int) -> dict[str, Any]:
+    """uvicorn options that refuse a request head past the hard cap while it arrives, and
+    leave smaller header-size refusals to :class:`HeaderLimitMiddleware` (OpenAI's envelope)."""
+    cap = max(4 * max_header_bytes, 64 * 1024)
+    options: dict[str, Any] = {"h11_max_incomplete_event_size": cap}
+    try:
+        options["http"] = _httptools_protocol(cap)
+    except ImportError:  # no httptools: uvicorn runs h11, whose limit is set above
+        options["http"] = "h11"
+    return options
 
-    Beyond four times the limit (at least 64 KiB) uvicorn itself refuses the request with
-    a bare 400, so a client cannot make the server buffer unbounded headers.
-    """
-    return {"h11_max_incomplete_event_size": max(4 * max_header_bytes, 64 * 1024)}
+
+_REFUSAL = (
+    b'{"error":{"message":"the request head is larger than this server accepts",'
+    b'"type":"invalid_request_error","param":null,"code":"request_header_fields_too_large"}}'
+)
+
+
+def _httptools_protocol(cap: int) -> type:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeadLimitedHttpToolsProtocol(HttpToolsProtocol):
+        """uvicorn's httptools protocol, refusing a request head past ``cap`` bytes."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._head_bytes = 0
+            self._in_head = True
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            # Counted after parsing: a chunk that completes the head and brings body bytes
+            # is fine; a head still open past the cap is refused.
+            if self._in_head and self._head_bytes > cap and not self.transport.is_closing():
+                self.transport.write(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL)
+                )
+                self.transport.close()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head, self._head_bytes = True, 0  # the next request on the connection
+
+    return HeadLimitedHttpToolsProtocol

@@ -108,6 +108,10 @@ class CostConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     #: SQLite file (WAL mode). None: ``$INFERMUX_LEDGER_PATH``, else ``var/ledger.sqlite3``
     #: (relative paths are relative to the working directory).
     ledger_path: str | None = None
+    #: A ``postgresql://`` URL: the ledger on Postgres instead of SQLite, shared by replicas
+    #: (docs/scale-out.md). Keep the password out of it: libpq reads ``PGPASSWORD`` (or
+    #: ``PGPASSFILE``) from the environment.
+    database: str | None = None
     #: "normal": a record survives a crash of the gateway (kill -9, OOM) once its response
     #: completed, and a commit costs tens of microseconds; "full": it also survives a power
     #: cut or a kernel crash, for one fsync per group commit (milliseconds on many disks).
@@ -136,6 +140,9 @@ def validate_observability(config: InfermuxConfig, fail: Callable[[str, str], Ex
         if pair in seen:
             raise fail(key, f"the same model/backend as cost.prices[{seen[pair]}]")
         seen[pair] = i
+    database = config.cost.database
+    if database is not None and not database.startswith(("postgresql://", "postgres://")):
+        raise fail("cost.database", "expected a postgresql:// URL (SQLite: ledger_path)")
     key_ids = {k.id for k in getattr(getattr(config, "auth", None), "keys", [])}
     for i, budget in enumerate(config.cost.budgets):
         key = f"cost.budgets[{i}]"

@@ -41,6 +41,8 @@ from litestar.openapi.spec import (
 )
 
 from gateway import schemas
+from gateway.anthropic import schemas as anthropic_schemas
+from gateway.anthropic.errors import PATH_PREFIX as ANTHROPIC_PATH_PREFIX
 from gateway.generation_endpoint import GenerationEndpoint
 
 __all__ = ["complete_openapi"]
@@ -82,7 +84,8 @@ def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]
     assert isinstance(components, Components)
     # Raw JSON Schema dicts: Litestar serialises them as they are.
     _, wire_schemas = msgspec.json.schema_components(
-        [getattr(schemas, name) for name in schemas.__all__],
+        [getattr(schemas, name) for name in schemas.__all__]
+        + [getattr(anthropic_schemas, name) for name in anthropic_schemas.__all__],
         ref_template="#/components/schemas/{name}",
     )
     components.schemas.update(wire_schemas)  # type: ignore[arg-type]
@@ -94,9 +97,10 @@ def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]
             description="An API key from [[auth.keys]] (only when keys are configured)",
         ),
     }
-    error_ref = Reference(ref="#/components/schemas/ErrorResponse")
     stream_types = {e.path: e.stream_type.__name__ for e in endpoints if e.stream_type is not None}
     for path, item in (openapi.paths or {}).items():
+        is_anthropic = path.startswith(ANTHROPIC_PATH_PREFIX)
+        error_ref = Reference(ref=f"#/components/schemas/{'AnthropicErrorResponse' if is_anthropic else 'ErrorResponse'}")
         for operation in (item.get, item.post, item.put, item.delete, item.patch):
             if operation is None:
                 continue
@@ -127,10 +131,12 @@ def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]
                 # ChatCompletion -> ChatCompletionChunk, or the endpoint's own event type;
                 # only endpoints that stream have one (embeddings never stream).
                 chunk = stream_types.get(path, f"{ref.rsplit('/', 1)[-1]}Chunk")
-                if ref and chunk in wire_schemas:
+                if ref and (is_anthropic or chunk in wire_schemas):
                     success.content["text/event-stream"] = OpenAPIMediaType(
                         # A raw dict, serialised as is.
-                        schema=_sse_event_schema(f"#/components/schemas/{chunk}"),  # type: ignore[arg-type]
+                        schema=_anthropic_event_schema()  # type: ignore[arg-type]
+                        if is_anthropic
+                        else _sse_event_schema(f"#/components/schemas/{chunk}"),
                     )
             if path == "/ready" and isinstance(success, OpenAPIResponse):
                 responses["503"] = OpenAPIResponse(
@@ -165,6 +171,20 @@ def _generation_operation(endpoint: GenerationEndpoint[Any]) -> Operation:
         },
         deprecated=False,
     )
+
+
+def _anthropic_event_schema() -> dict[str, Any]:
+    """One event of the Messages API's stream: ``event: <type>`` and its JSON ``data``."""
+    return {
+        "type": "object",
+        "description": "Server-sent events as Anthropic sends them: message_start, ping, content_block_start, "
+        "content_block_delta, content_block_stop, message_delta, message_stop; `error` ends a broken stream.",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "contentMediaType": "application/json"},
+        },
+    }
 
 
 def _sse_event_schema(chunk_ref: str) -> dict[str, Any]:

@@ -63,9 +63,6 @@ class ResponseOutput:
     arrives, each function call when its first delta does.
     """
 
-    #: The stream ends with ``response.completed``, no ``data: [DONE]``.
-    sends_done = False
-
     def __init__(
         self,
         *,

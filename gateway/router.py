@@ -161,6 +161,16 @@ class CircuitBreaker:
         """An attempt ended without a verdict (the client left): free the probe slot."""
         self._probe_in_flight = False
 
+    def open_for(self, seconds: float) -> bool:
+        """Open a closed circuit so that it half-opens in ``seconds`` (another replica saw
+        the failures: gateway/shared_circuit.py); True when it was closed."""
+        if self.state != "closed":
+            return False
+        self._state = "open"
+        self._opened_at = self._clock() - max(0.0, self.cooldown_s - seconds)
+        self._probe_in_flight = False
+        return True
+
 
 class _Route:
     """One alias: its candidates, strategy and retry budget."""
@@ -220,6 +230,18 @@ class ModelRouter:
             if callable(add_listener):
                 add_listener(circuit.record_success)
         self._outstanding: dict[str, int] = dict.fromkeys(backends, 0)
+        #: Called with (backend name, cool-down in seconds) when a circuit opens here
+        #: (``[state] backend = "redis"`` shares it with the other replicas).
+        self.on_circuit_open: Callable[[str, float], None] | None = None
+
+    def open_circuit(self, name: str, seconds: float) -> bool:
+        """Open ``name``'s circuit for ``seconds`` if it is closed (opened elsewhere)."""
+        circuit = self._circuits.get(name)
+        return circuit is not None and circuit.open_for(seconds)
+
+    def _circuit_opened(self, name: str) -> None:
+        if self.on_circuit_open is not None:
+            self.on_circuit_open(name, self._circuits[name].cooldown_s)
 
     def aliases(self) -> list[str]:
         """Every model alias, in config order."""
@@ -381,6 +403,7 @@ class ModelRouter:
                         circuit.num_consecutive_failures,
                         error.message,
                     )
+                    self._circuit_opened(name)
             else:
                 circuit.release()  # the backend answered; the request was at fault
             if error.retryable:
@@ -408,6 +431,7 @@ class ModelRouter:
             circuit = self._circuits[name]
             if circuit.record_failure():
                 logger.warning("backend %r: circuit opened after a mid-stream failure", name)
+                self._circuit_opened(name)
 
 
 class RoutedStream:

@@ -31,6 +31,7 @@ from gateway.config import InfermuxConfig
 from gateway.rate_limit import Admission
 from gateway.response_store import ResponseStore
 from plugins.builtin.cost.plugin import resolve_ledger_path
+from plugins.shared_state import open_state
 
 if TYPE_CHECKING:
     from gateway.router import ModelRouter
@@ -108,14 +109,18 @@ class GatewayState:
         self.draining = False
         #: API keys (gateway/auth.py) and admission: per-key limits, global concurrency.
         self.key_store = KeyStore(config.auth.keys)
-        self.admission = Admission(config.limits, config.auth.keys)
         #: The Responses API's stored responses, in the ledger's SQLite file (opened on use).
         self.response_store = ResponseStore(resolve_ledger_path(config.cost))
+        #: ``[state] backend = "redis"``: the per-key limits every replica shares.
+        self.shared_state = open_state(config.state)
+        self.admission = Admission(config.limits, config.auth.keys, state=self.shared_state)
         self.started_at = int(time.time())
         #: This app's Prometheus registry (``GET /metrics``); plugins add to it through
         #: ``infermux_register_metrics``. Never the global one: apps may share a process.
         self.metrics_registry = CollectorRegistry(auto_describe=True)
         self._load_task: asyncio.Task[None] | None = None
+        #: With shared state: the loop that opens circuits other replicas opened.
+        self._circuit_sync_task: asyncio.Task[None] | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -205,6 +210,13 @@ class GatewayState:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.exception("building the router failed")
             return
+        if self.shared_state is not None:
+            from gateway.shared_circuit import CircuitSync
+
+            sync = CircuitSync(self.shared_state, self.router, list(self.backends))
+            self._circuit_sync_task = asyncio.create_task(
+                sync.run(), name="infermux-circuit-sync"
+            )
         if self.startup_error is not None:
             logger.error("infermux cannot start: %s", self.startup_error)
             return
@@ -217,6 +229,8 @@ class GatewayState:
     async def shutdown(self) -> None:
         """Stop loading, close every backend, tell plugins."""
         self.draining = True
+        if self._circuit_sync_task is not None:
+            self._circuit_sync_task.cancel()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             try:
@@ -227,6 +241,8 @@ class GatewayState:
             await _close_quietly(backend)
         await self.hooks.shutdown()
         self.response_store.close()
+        if self.shared_state is not None:
+            await self.shared_state.aclose()
 
 
 async def _close_quietly(backend: Backend) -> None:

@@ -34,7 +34,7 @@ from gateway.config import (
     ServerConfig,
     config_from_dict,
 )
-from gateway.header_limit import uvicorn_h11_limit
+from gateway.header_limit import uvicorn_header_limit
 from gateway.state import GatewayState
 
 __all__ = ["LiveGateway", "gateway_config", "mock_backend", "run_gateway"]
@@ -141,7 +141,7 @@ def run_gateway(
             log_level="warning",
             lifespan="on",
             access_log=False,
-            **uvicorn_h11_limit(config.limits.max_header_bytes),
+            **uvicorn_header_limit(config.limits.max_header_bytes),
         )
     )
     thread = threading.Thread(

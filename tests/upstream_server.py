@@ -81,6 +81,10 @@ class Behaviour:
     model: str = "upstream-model"
     #: Close the connection after answering (as a server whose keep-alive expired does).
     close_after_response: bool = False
+    #: Chat only: stream these raw ``delta`` objects instead of ``reply`` (a recorded answer
+    #: with tool calls or reasoning), ending with ``finish_reason``.
+    deltas: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -373,6 +377,8 @@ class _Answer:
             words = words[:max_tokens]
             self.finish_reason = "length"
         self.tokens = [w if i == 0 else " " + w for i, w in enumerate(words)]
+        if behaviour.finish_reason is not None:
+            self.finish_reason = behaviour.finish_reason
         self.num_prompt = len(prompt_text.split())
         self.id = f"{'chatcmpl' if is_chat else 'cmpl'}-upstream"
 
@@ -427,6 +433,10 @@ class _Answer:
         return [self._envelope([{"index": 0, "delta": delta, "finish_reason": None}])]
 
     def content_events(self) -> Iterator[dict[str, Any]]:
+        if self.is_chat and self.behaviour.deltas is not None:
+            for delta in self.behaviour.deltas:
+                yield self._envelope([{"index": 0, "finish_reason": None, "delta": delta}])
+            return
         offset = 0
         for token in self.tokens:
             choice: dict[str, Any] = {"index": 0, "finish_reason": None}

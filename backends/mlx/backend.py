@@ -274,7 +274,7 @@ class MLXBackend:
         if request.kind == "chat" and runner is not None:
             plan = plan_chat(request, runner.template, runner.chat_format)
             runner = _PlannedRunner(runner, plan)
-        stream = stream_job(
+        stream: AsyncIterator[GenerationChunk] = stream_job(
             request,
             backend_name=self.name,
             runner=runner,
@@ -282,10 +282,9 @@ class MLXBackend:
             jobs=self._jobs,
             library="MLX",
         )
-        if plan is not None:
-            stream = plan.parse(stream)
-        async with contextlib.aclosing(stream):  # closing us must cancel the job at once
-            async for chunk in stream:
+        parsed = plan.parse(stream) if plan is not None else stream
+        async with contextlib.aclosing(parsed):  # type: ignore[type-var]  # closing us must cancel the job at once
+            async for chunk in parsed:
                 yield chunk
 
     def _check_supported(self, request: GenerationRequest) -> None:

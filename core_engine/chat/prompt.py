@@ -120,8 +120,9 @@ def render_chat(
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = True,
 ) -> RenderedChat:
-    """The prompt text of ``messages`` (``tools``: OpenAI tool objects to offer, or None;
-    ``add_generation_prompt`` false: without the assistant prefix, for ``POST /tokenize``)."""
+    """The prompt text of ``messages`` (``tools``: OpenAI tool objects to offer, or None);
+    without ``add_generation_prompt``, a prefix of the conversation (cache pins, and
+    ``POST /tokenize`` with ``add_generation_prompt = false``)."""
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if fmt.native_tools:
         extra = {"tools": [dict(t) for t in tools]} if tools else {}

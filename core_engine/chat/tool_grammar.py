@@ -35,7 +35,7 @@ def tool_call_grammar(fmt: str, tools: Sequence[Mapping[str, Any]], *, parallel:
     """A Lark grammar (llguidance's dialect) for one or more calls of ``tools`` in ``fmt``."""
     args_key = "parameters" if fmt == "llama3_json" else "arguments"
     schemas = [_call_schema(tool, args_key) for tool in tools]
-    schema = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
+    schema: dict[str, Any] = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
     # One layout, as the fallback prompt shows it: a small model given free whitespace can
     # spend its whole max_tokens on newlines inside the object.
     schema["x-guidance"] = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.auth import check_exposure
     from gateway.config import ConfigError, load_config
     from gateway.drain import DrainingServer
-    from gateway.header_limit import uvicorn_h11_limit
+    from gateway.header_limit import uvicorn_header_limit
     from plugins.manager import PluginLoadError
 
     logging.basicConfig(level=args.log_level.upper(), format=_LOG_FORMAT)
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             lifespan="on",
             # The drain (gateway/drain.py) has already waited for generation requests.
             timeout_graceful_shutdown=math.ceil(cleanup_timeout_s),
-            **uvicorn_h11_limit(config.limits.max_header_bytes),
+            **uvicorn_header_limit(config.limits.max_header_bytes),
         ),
         gateway=app.state.gateway,
         drain_timeout_s=config.server.drain_timeout_s,

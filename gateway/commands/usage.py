@@ -6,10 +6,15 @@
     infermux usage --config infermux.toml --key team-a --start 2026-11-01
     infermux usage --url http://127.0.0.1:8000 --model smollm2 --json
 
-Without ``--url`` it reads the SQLite ledger directly (``--db``, else the config's
-``[cost] ledger_path``, else ``$INFERMUX_LEDGER_PATH``, else ``var/ledger.sqlite3``); a
+Without ``--url`` it reads the ledger directly: ``--db`` (a SQLite file or a
+``postgresql://`` URL), else the config's ``[cost] database`` (Postgres), else its
+``[cost] ledger_path``, else ``$INFERMUX_LEDGER_PATH``, else ``var/ledger.sqlite3``; a
 server does not need to run. With ``--url`` it asks ``GET /v1/usage`` of a running gateway
 (the API key comes from ``--api-key`` or ``$INFERMUX_API_KEY``).
+
+``infermux usage migrate --to postgresql://... [--db FILE | --config FILE]`` copies a SQLite
+ledger into Postgres (records already there, by request id, are skipped: run it again after
+an interruption).
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ def add_parser(subparsers: Any) -> None:
         "is start <= request start < end.",
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--db", type=Path, default=None, help="the ledger file (SQLite)")
+    source.add_argument(
+        "--db", default=None, help="the ledger: a SQLite file or a postgresql:// URL"
+    )
     source.add_argument("--url", default=None, help="ask a running gateway instead")
     parser.add_argument(
         "--config", type=Path, default=None, help="take the ledger path and currency from here"
@@ -49,6 +56,21 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--end", default=None, help="until this time (exclusive)")
     parser.add_argument("--json", action="store_true", help="print the /v1/usage JSON body")
     parser.set_defaults(func=run)
+    actions = parser.add_subparsers(dest="action", metavar="{migrate}")
+    migrate = actions.add_parser(
+        "migrate",
+        help="copy a SQLite ledger into Postgres",
+        description="Copy every record of a SQLite ledger into a Postgres ledger; records "
+        "already there (by request id) are skipped, so running it twice copies nothing twice.",
+    )
+    migrate.add_argument("--db", type=Path, default=None, help="the SQLite ledger file")
+    migrate.add_argument(
+        "--config", type=Path, default=None, help="take the SQLite path (and --to) from here"
+    )
+    migrate.add_argument(
+        "--to", default=None, help="postgresql:// URL (default: the config's [cost] database)"
+    )
+    migrate.set_defaults(func=run_migrate)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,25 +103,94 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _from_file(args: argparse.Namespace, query: Any) -> Any:
+def _cost_config(args: argparse.Namespace) -> Any:
+    """The config's ``[cost]`` (defaults without ``--config``), or 2 on a config error."""
     from gateway.config import ConfigError, load_config
     from gateway.observability_config import CostConfig
+
+    if args.config is None:
+        return CostConfig()
+    try:
+        return load_config(args.config).cost
+    except ConfigError as exc:
+        print(f"infermux usage: config error in {args.config}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _from_file(args: argparse.Namespace, query: Any) -> Any:
+    import asyncio
+
     from plugins.builtin.cost import resolve_ledger_path
     from plugins.builtin.cost.ledger import LedgerError, query_usage
 
-    cost = CostConfig()
-    if args.config is not None:
-        try:
-            cost = load_config(args.config).cost
-        except ConfigError as exc:
-            print(f"infermux usage: config error in {args.config}: {exc}", file=sys.stderr)
-            return 2
-    path = args.db if args.db is not None else resolve_ledger_path(cost)
+    cost = _cost_config(args)
+    if isinstance(cost, int):
+        return cost
+    database = args.db if args.db is not None and _is_postgres(args.db) else None
+    if database is None and args.db is None:
+        database = cost.database
     try:
+        if database is not None:
+            return asyncio.run(_postgres_report(database, query, cost.currency))
+        path = Path(args.db) if args.db is not None else resolve_ledger_path(cost)
         return query_usage(path, query, currency=cost.currency)
     except LedgerError as exc:
         print(f"infermux usage: {exc}", file=sys.stderr)
         return 1
+
+
+def _is_postgres(target: str) -> bool:
+    return target.startswith(("postgresql://", "postgres://"))
+
+
+async def _postgres_report(url: str, query: Any, currency: str) -> Any:
+    from plugins.builtin.cost.pg_ledger import PostgresLedger
+
+    ledger = PostgresLedger(url, max_connections=1)
+    await ledger.open()
+    try:
+        return await ledger.report(query, currency=currency)
+    finally:
+        await ledger.aclose()
+
+
+def run_migrate(args: argparse.Namespace) -> int:
+    """``infermux usage migrate``: 0 when copied, 2 on bad arguments, 1 on a ledger error."""
+    import asyncio
+
+    from plugins.builtin.cost import resolve_ledger_path
+    from plugins.builtin.cost.ledger import LedgerError
+
+    cost = _cost_config(args)
+    if isinstance(cost, int):
+        return cost
+    target = args.to or cost.database
+    if target is None or not _is_postgres(target):
+        print(
+            "infermux usage migrate: --to must be a postgresql:// URL (or set [cost] database "
+            "in --config)",
+            file=sys.stderr,
+        )
+        return 2
+    source = args.db if args.db is not None else resolve_ledger_path(cost)
+    try:
+        num_read, num_added = asyncio.run(_migrate(source, target))
+    except LedgerError as exc:
+        print(f"infermux usage migrate: {exc}", file=sys.stderr)
+        return 1
+    print(f"{num_read} records read from {source}, {num_added} added (the rest were there)")
+    return 0
+
+
+async def _migrate(source: Path, url: str) -> tuple[int, int]:
+    from plugins.builtin.cost.pg_ledger import PostgresLedger, migrate_sqlite
+
+    ledger = PostgresLedger(url, max_connections=1)
+    await ledger.open()
+    try:
+        return await migrate_sqlite(source, ledger)
+    finally:
+        await ledger.aclose()
 
 
 def _from_server(args: argparse.Namespace, query: Any) -> Any:

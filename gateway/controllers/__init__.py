@@ -1,5 +1,6 @@
 """HTTP controllers of the OpenAI-compatible API and the health endpoints."""
 
+from gateway.anthropic.messages import MESSAGES
 from gateway.controllers.chat import CHAT_COMPLETIONS
 from gateway.controllers.completion import COMPLETIONS
 from gateway.controllers.embedding import EMBEDDINGS
@@ -26,7 +27,7 @@ __all__ = [
 ]
 
 #: The generation endpoints (``@asgi`` handlers built per app: gateway/generation_endpoint.py).
-GENERATION_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS)
+GENERATION_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, MESSAGES)
 
 #: Every other controller the app mounts. Those under ``/v1/`` carry the API-key guard.
 CONTROLLERS = (

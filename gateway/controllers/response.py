@@ -210,7 +210,8 @@ def responses_endpoint(store: ResponseStore) -> GenerationEndpoint[ResponseReque
         output = ResponseOutput(
             data=data, conversation=conversation, store=store, api_key_id=context.api_key_id
         )
-        return Generation(requests, output, 1, bool(data.stream))
+        # The stream ends with response.completed (or .incomplete): no "data: [DONE]".
+        return Generation(requests, output, 1, bool(data.stream), done_frame=b"")
 
     return GenerationEndpoint(
         path="/v1/responses",

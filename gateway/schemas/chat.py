@@ -87,7 +87,7 @@ class ChatMessageParam(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     tool_call_id: str | None = None
 
 
-class FunctionDefinition(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class FunctionDefinition(msgspec.Struct, frozen=True, kw_only=True, gc=False, omit_defaults=True):
     name: FunctionName
     description: str | None = None
     #: A JSON Schema of the arguments (an object); absent: no arguments.

@@ -281,7 +281,7 @@ async def test_structured_outputs_constrain_mlx_with_the_same_masks(backend: MLX
     from tests.core_engine.structured_schemas import SCHEMAS
 
     finished = 0
-    for i, (_name, what, schema) in enumerate(SCHEMAS[:8]):
+    for i, (_name, what, schema) in enumerate(SCHEMAS):
         request = msgspec.structs.replace(
             _chat(f"Reply with {what} as JSON.", max_tokens=96, temperature=0.7, seed=i),
             structured_outputs={"json": schema, "param": "response_format"},
@@ -291,7 +291,7 @@ async def test_structured_outputs_constrain_mlx_with_the_same_masks(backend: MLX
             continue
         finished += 1
         jsonschema.validate(json.loads(_text(chunks)), schema)
-    assert finished >= 6, finished
+    assert finished >= len(SCHEMAS) - 3, finished  # every output that ended validated
     regex = msgspec.structs.replace(
         _completion("Code:", max_tokens=12, temperature=1.0, seed=3),
         structured_outputs={"regex": "[A-Z]{2}[0-9]{3}", "param": "guided_regex"},

@@ -225,6 +225,39 @@ def test_headers_beyond_the_parser_limit_are_refused_without_harm(gw: LiveGatewa
     assert status_line.split()[1] in (b"400", b"431")
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:  # the gateway runs in this process (a thread)
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_an_unterminated_64_mb_header_is_refused_while_it_arrives(gw: LiveGateway) -> None:
+    # httptools has no head limit of its own: the protocol counts and refuses at the cap,
+    # so the 64 MB never pile up in the server (it once buffered them all, with no reply).
+    host, port = gw.removeprefix("http://").split(":")
+    piece = b"c" * (1 << 20)
+    before = _rss_bytes()
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        try:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: ")
+            for _ in range(64):
+                sock.sendall(piece)
+                sent += len(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused and closed while we were still sending: what is wanted
+        reply = b""
+        try:
+            while chunk := sock.recv(4096):
+                reply += chunk
+        except ConnectionResetError:
+            pass
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+    assert b"request_header_fields_too_large" in reply
+    assert sent < 64 * len(piece) or reply  # the server answered
+    assert _rss_bytes() - before < 16 * 2**20
+
+
 # -- unknown model ------------------------------------------------------------------------
 
 

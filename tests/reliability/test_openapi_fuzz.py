@@ -103,6 +103,7 @@ def test_every_response_conforms_to_the_openapi_document(gw: LiveGateway) -> Non
     # The fuzzing reached the backend, not only the validation paths.
     assert 200 in seen["POST /v1/chat/completions (positive)"]
     assert 200 in seen["POST /v1/completions (positive)"]
+    assert 200 in seen["POST /v1/messages (positive)"]
     assert 200 in seen["POST /v1/responses (positive)"]
     # The other new routes were fuzzed too (the mock backend has no embeddings or
     # tokenizer: they answer 400 naming model; their 200s are tested on the real model).

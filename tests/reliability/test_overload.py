@@ -192,3 +192,19 @@ def test_a_client_that_gives_up_in_the_queue_leaves_it(live_gateway: Any) -> Non
         wait_until(lambda: admission.num_in_flight == 0)
         assert backend.num_started == 1  # the impatient request never reached the backend
         assert_still_serving(gw)
+
+
+def test_a_keys_concurrent_requests_are_capped(live_gateway: Any) -> None:
+    keys = AuthConfig(keys=[ApiKeyConfig(id="dan", key_sha256=hash_key("k-dan"), max_concurrent=1)])
+    dan = {"authorization": "Bearer k-dan"}
+    config = gateway_config(mock_backend("mock", token_delay_s=0.05), auth=keys)
+    with live_gateway(config) as gw, httpx.Client(timeout=60) as client:
+        body = chat_body(stream=True, messages=[{"role": "user", "content": TEN_WORDS}])
+        with client.stream("POST", f"{gw}/v1/chat/completions", json=body, headers=dan) as held:
+            lines = held.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            error = envelope(post_chat(gw, dan), 429)
+            assert error["code"] == "rate_limit_exceeded"
+            assert "at most 1 at once" in error["message"]
+            assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+        assert_still_serving(gw, headers=dan)  # the slot came back with the stream's end

@@ -5,18 +5,26 @@ total starts from the ledger when the gateway starts and grows with every record
 process commits; a request is refused (429 ``budget_exceeded``) once the total reached
 the limit. Requests already in flight are not stopped, so a budget can be overshot by
 what they cost: the check is at admission, the charge at the end.
+
+:class:`BudgetBook` keeps the totals in this process; with ``[state] backend = "redis"``
+:class:`~plugins.builtin.cost.shared_budget.SharedBudgetBook` keeps them in Redis for every
+replica, behind the same methods.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 
 from backends.errors import BudgetExceededError
 from gateway.observability_config import BudgetConfig
 
-__all__ = ["BudgetBook", "period_bounds"]
+__all__ = ["BudgetBook", "SpentSince", "budget_subject", "exhausted_message", "period_bounds"]
+
+#: ``spent_since(budget, start)``: the recorded cost of the budget's key or tenant since
+#: ``start`` (unix seconds; None: ever), read from the ledger.
+SpentSince = Callable[[BudgetConfig, "float | None"], Awaitable[float]]
 
 
 def period_bounds(period: str, now: float) -> tuple[float | None, float | None]:
@@ -48,12 +56,6 @@ class _Budget:
             return self.config.api_key == api_key_id
         return self.config.tenant == tenant
 
-    @property
-    def subject(self) -> str:
-        if self.config.api_key is not None:
-            return f"API key {self.config.api_key!r}"
-        return f"tenant {self.config.tenant!r}"
-
 
 class BudgetBook:
     """The ``[[cost.budgets]]`` and what was spent against each in its current period."""
@@ -72,19 +74,15 @@ class BudgetBook:
     def __bool__(self) -> bool:
         return bool(self._budgets)
 
-    def load(self, spent_since: Callable[[BudgetConfig, float | None], float]) -> None:
-        """Start every total from the records of its current period.
-
-        ``spent_since(budget, start)`` sums the recorded cost of the budget's key or tenant
-        since ``start`` (unix seconds; None: ever).
-        """
+    async def load(self, spent_since: SpentSince) -> None:
+        """Start every total from the ledger's records of its current period."""
         now = self._clock()
         for budget in self._budgets:
             start, _ = period_bounds(budget.config.period, now)
             budget.period_start = start
-            budget.spent = spent_since(budget.config, start)
+            budget.spent = await spent_since(budget.config, start)
 
-    def check(self, *, api_key_id: str | None, tenant: str | None) -> None:
+    async def check(self, *, api_key_id: str | None, tenant: str | None) -> None:
         """Raise :class:`BudgetExceededError` when a budget of this key or tenant is spent."""
         now = self._clock()
         for budget in self._budgets:
@@ -94,7 +92,9 @@ class BudgetBook:
             if budget.spent >= budget.config.limit:
                 raise BudgetExceededError(self._message(budget, now))
 
-    def charge(self, *, api_key_id: str | None, tenant: str | None, cost: float, at: float) -> None:
+    async def charge(
+        self, *, api_key_id: str | None, tenant: str | None, cost: float, at: float
+    ) -> None:
         """Add a recorded cost (of a request that started at ``at``) to its budgets."""
         if cost <= 0:
             return
@@ -117,14 +117,25 @@ class BudgetBook:
             budget.spent = 0.0
 
     def _message(self, budget: _Budget, now: float) -> str:
-        config = budget.config
-        spent = (
-            f"the budget of {budget.subject} is exhausted: {budget.spent:.4f} {self.currency} "
-            f"spent of {config.limit:.4f} {self.currency}"
-        )
-        if config.period == "total":
-            return f"{spent} (a total budget: raise its limit in [[cost.budgets]])"
-        _, end = period_bounds(config.period, now)
-        assert end is not None
-        renews = datetime.fromtimestamp(end, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        return f"{spent} this {config.period}; it renews at {renews}"
+        return exhausted_message(budget.config, budget.spent, self.currency, now)
+
+
+def budget_subject(config: BudgetConfig) -> str:
+    """Whose budget it is, for messages."""
+    if config.api_key is not None:
+        return f"API key {config.api_key!r}"
+    return f"tenant {config.tenant!r}"
+
+
+def exhausted_message(config: BudgetConfig, spent_total: float, currency: str, now: float) -> str:
+    """The message of a 429 ``budget_exceeded``: what was spent, and when it renews."""
+    spent = (
+        f"the budget of {budget_subject(config)} is exhausted: {spent_total:.4f} "
+        f"{currency} spent of {config.limit:.4f} {currency}"
+    )
+    if config.period == "total":
+        return f"{spent} (a total budget: raise its limit in [[cost.budgets]])"
+    _, end = period_bounds(config.period, now)
+    assert end is not None
+    renews = datetime.fromtimestamp(end, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"{spent} this {config.period}; it renews at {renews}"

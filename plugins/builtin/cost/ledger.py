@@ -38,13 +38,21 @@ import sqlite3
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
 from plugins.usage_report import UsageDay, UsageQuery, UsageReport, UsageTotals
 
-__all__ = ["SCHEMA_VERSION", "Ledger", "LedgerError", "UsageRecord", "query_usage", "spent"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "Ledger",
+    "LedgerError",
+    "UsageLedger",
+    "UsageRecord",
+    "query_usage",
+    "spent",
+]
 
 logger = logging.getLogger("plugins.cost")
 
@@ -129,14 +137,38 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
 #: A queued record and who waits for it: a thread's future (:meth:`Ledger.submit`) or an
 #: event loop's (:meth:`Ledger.write`).
 #: The columns a record fills: its fields, in order.
-_COLUMNS = UsageRecord.__struct_fields__
-_INSERT = (
-    f"INSERT INTO usage_records ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
-)
+RECORD_COLUMNS = UsageRecord.__struct_fields__
+_INSERT = f"INSERT INTO usage_records ({', '.join(RECORD_COLUMNS)}) VALUES ({', '.join('?' for _ in RECORD_COLUMNS)})"
 
 _Item = tuple[UsageRecord, "Future[None] | asyncio.Future[None] | None"]
 #: An event loop's future and the error of its record (None: committed).
 _Outcome = tuple["asyncio.Future[None]", BaseException | None]
+
+
+class UsageLedger(Protocol):
+    """What the cost plugin needs of a ledger: SQLite (:class:`Ledger`, the default) or
+    Postgres (:class:`~plugins.builtin.cost.pg_ledger.PostgresLedger`, shared by replicas)."""
+
+    #: Where the records go, for logs (a path, or a URL without its password).
+    location: str
+
+    async def write(self, record: UsageRecord) -> None:
+        """Commit ``record``; return once it is committed."""
+        ...
+
+    async def report(self, query: UsageQuery, *, currency: str = "USD") -> UsageReport:
+        """Totals and per-day rows matching ``query``."""
+        ...
+
+    async def spent(
+        self, *, api_key_id: str | None, tenant: str | None, since: float | None
+    ) -> float:
+        """The cost recorded for a key or a tenant since ``since`` (None: ever)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Commit what is pending and close."""
+        ...
 
 
 class Ledger:
@@ -146,6 +178,7 @@ class Ledger:
         self, path: str | Path, *, synchronous: Literal["full", "normal"] = "normal"
     ) -> None:
         self.path = Path(path)
+        self.location = str(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             connection = _connect(self.path, create=True)
@@ -222,6 +255,22 @@ class Ledger:
     def query(self, query: UsageQuery, *, currency: str = "USD") -> UsageReport:
         """Totals and per-day rows (runs on the calling thread: use ``asyncio.to_thread``)."""
         return query_usage(self.path, query, currency=currency)
+
+    async def report(self, query: UsageQuery, *, currency: str = "USD") -> UsageReport:
+        """:meth:`query` on a thread."""
+        return await asyncio.to_thread(self.query, query, currency=currency)
+
+    async def spent(
+        self, *, api_key_id: str | None, tenant: str | None, since: float | None
+    ) -> float:
+        """The cost recorded for a key or a tenant since ``since``, read on a thread."""
+        return await asyncio.to_thread(
+            spent, self.path, api_key_id=api_key_id, tenant=tenant, since=since
+        )
+
+    async def aclose(self) -> None:
+        """:meth:`close` on a thread."""
+        await asyncio.to_thread(self.close)
 
     # -- the writer thread ----------------------------------------------------------------
 
@@ -370,7 +419,7 @@ def _ensure_schema(connection: sqlite3.Connection, path: Path) -> None:
         connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
-def _where(query: UsageQuery) -> tuple[str, list[object]]:
+def where_clause(query: UsageQuery, placeholder: str = "?") -> tuple[str, list[object]]:
     clauses: list[str] = []
     params: list[object] = []
     for column, value in (
@@ -379,13 +428,13 @@ def _where(query: UsageQuery) -> tuple[str, list[object]]:
         ("model", query.model),
     ):
         if value is not None:
-            clauses.append(f"{column} = ?")
+            clauses.append(f"{column} = {placeholder}")
             params.append(value)
     if query.start is not None:
-        clauses.append("created_at >= ?")
+        clauses.append(f"created_at >= {placeholder}")
         params.append(query.start)
     if query.end is not None:
-        clauses.append("created_at < ?")
+        clauses.append(f"created_at < {placeholder}")
         params.append(query.end)
     return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
 
@@ -405,7 +454,7 @@ def query_usage(path: str | Path, query: UsageQuery, *, currency: str = "USD") -
     except sqlite3.Error as exc:
         raise LedgerError(f"cannot open the usage ledger {str(path)!r}: {exc}") from exc
     try:
-        where, params = _where(query)
+        where, params = where_clause(query)
         totals = connection.execute(f"SELECT {_SUMS} FROM usage_records{where}", params).fetchone()
         days = connection.execute(
             f"SELECT strftime('%Y-%m-%d', created_at, 'unixepoch') AS day, {_SUMS} "
@@ -418,8 +467,10 @@ def query_usage(path: str | Path, query: UsageQuery, *, currency: str = "USD") -
         connection.close()
     return UsageReport(
         query=query,
-        totals=_sums(totals),
-        per_day=[UsageDay(date=row[0], **msgspec.structs.asdict(_sums(row[1:]))) for row in days],
+        totals=usage_totals(totals),
+        per_day=[
+            UsageDay(date=row[0], **msgspec.structs.asdict(usage_totals(row[1:]))) for row in days
+        ],
         currency=currency,
     )
 
@@ -436,7 +487,7 @@ def spent(
     return report.totals.cost
 
 
-def _sums(row: tuple[Any, ...]) -> UsageTotals:
+def usage_totals(row: tuple[Any, ...]) -> UsageTotals:
     requests, failed, input_tokens, cached, output_tokens, cost = row
     return UsageTotals(
         requests=int(requests),

@@ -18,7 +18,6 @@ the per-hour shares of every try.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.observability_config import BudgetConfig, CostConfig
 from plugins.builtin.cost.budget import BudgetBook
-from plugins.builtin.cost.ledger import Ledger, LedgerError, UsageRecord, spent
+from plugins.builtin.cost.ledger import Ledger, LedgerError, UsageLedger, UsageRecord
 from plugins.builtin.cost.pricing import PriceBook, ShareMeter
 from plugins.hookspecs import hookimpl
 from plugins.request_summary import http_request_id
@@ -39,10 +38,12 @@ if TYPE_CHECKING:
     from backends.base import GenerationRequest
     from backends.errors import InfermuxError
     from gateway.config import InfermuxConfig
+    from plugins.builtin.cost.shared_budget import SharedBudgetBook
     from plugins.request_summary import RequestSummary
+    from plugins.shared_state import RedisState
     from plugins.usage_report import UsageQuery, UsageReport
 
-__all__ = ["ENV_LEDGER_PATH", "CostPlugin", "resolve_ledger_path"]
+__all__ = ["ENV_LEDGER_PATH", "CostPlugin", "resolve_ledger_path", "spool_path"]
 
 logger = logging.getLogger("plugins.cost")
 
@@ -54,6 +55,12 @@ DEFAULT_LEDGER_PATH = Path("var") / "ledger.sqlite3"
 def resolve_ledger_path(cost: CostConfig, env: Mapping[str, str] = os.environ) -> Path:
     """``$INFERMUX_LEDGER_PATH``, else ``[cost] ledger_path``, else ``var/ledger.sqlite3``."""
     return Path(env.get(ENV_LEDGER_PATH) or cost.ledger_path or DEFAULT_LEDGER_PATH)
+
+
+def spool_path(ledger_path: Path) -> Path:
+    """Where records wait while the Postgres ledger is down: beside the SQLite ledger's
+    path, never that file itself (its records are moved only by ``infermux usage migrate``)."""
+    return ledger_path.with_name(f"{ledger_path.stem}.pg-spool{ledger_path.suffix}")
 
 
 class _Pending:
@@ -75,9 +82,11 @@ class CostPlugin:
 
     def __init__(self, *, env: Mapping[str, str] | None = None) -> None:
         self._env = env if env is not None else os.environ
-        self.ledger: Ledger | None = None
+        self.ledger: UsageLedger | None = None
         self.prices = PriceBook(())
-        self.budgets = BudgetBook(())
+        self.budgets: BudgetBook | SharedBudgetBook = BudgetBook(())
+        #: ``[state] backend = "redis"``: where the budget totals are shared.
+        self._state: RedisState | None = None
         self.currency = "USD"
         self._meter = ShareMeter()
         self._pending: dict[str, _Pending] = {}
@@ -101,38 +110,61 @@ class CostPlugin:
         self._cost_children.clear()
 
     @hookimpl
-    def infermux_startup(self, config: InfermuxConfig) -> None:
+    async def infermux_startup(self, config: InfermuxConfig) -> None:
         cost = config.cost
         if not cost.enabled:
             return
         self.currency = cost.currency
         self.prices = PriceBook(cost.prices)
-        path = resolve_ledger_path(cost, self._env)
+        if cost.database is not None:
+            from plugins.builtin.cost.pg_ledger import PostgresLedger
+
+            postgres = PostgresLedger(
+                cost.database, spool=spool_path(resolve_ledger_path(cost, self._env))
+            )
+            await postgres.open()
+            ledger: UsageLedger = postgres
+        else:
+            try:
+                ledger = Ledger(resolve_ledger_path(cost, self._env), synchronous=cost.synchronous)
+            except LedgerError as exc:
+                logger.error("usage accounting is OFF: %s", exc)
+                return
+        self.ledger = ledger
+        if cost.budgets and config.state.backend == "redis":
+            from plugins.builtin.cost.shared_budget import SharedBudgetBook
+            from plugins.shared_state import open_state
+
+            self._state = open_state(config.state, self._env)
+            assert self._state is not None
+            self.budgets = SharedBudgetBook(cost.budgets, self._state, currency=cost.currency)
+        else:
+            self.budgets = BudgetBook(cost.budgets, currency=cost.currency)
         try:
-            self.ledger = Ledger(path, synchronous=cost.synchronous)
-        except LedgerError as exc:
-            logger.error("usage accounting is OFF: %s", exc)
-            return
-        self.budgets = BudgetBook(cost.budgets, currency=cost.currency)
-        self.budgets.load(self._spent_since)
-        logger.info("usage ledger: %s", path)
+            await self.budgets.load(self._spent_since)
+        except LedgerError as exc:  # Postgres down at start: totals start at 0 here
+            logger.error("budgets: the ledger could not be read: %s", exc)
+        logger.info("usage ledger: %s", ledger.location)
 
     @hookimpl
     async def infermux_shutdown(self) -> None:
         ledger, self.ledger = self.ledger, None
         if ledger is not None:
-            await asyncio.to_thread(ledger.close)
+            await ledger.aclose()
+        state, self._state = self._state, None
+        if state is not None:
+            await state.aclose()
 
-    def _spent_since(self, budget: BudgetConfig, start: float | None) -> float:
+    async def _spent_since(self, budget: BudgetConfig, start: float | None) -> float:
         assert self.ledger is not None
-        return spent(self.ledger.path, api_key_id=budget.api_key, tenant=budget.tenant, since=start)
+        return await self.ledger.spent(api_key_id=budget.api_key, tenant=budget.tenant, since=start)
 
     # -- the request path -----------------------------------------------------------------
 
     @hookimpl(trylast=True)
-    def infermux_transform_request(self, request: GenerationRequest) -> None:
+    async def infermux_transform_request(self, request: GenerationRequest) -> None:
         if self.budgets:
-            self.budgets.check(api_key_id=request.api_key_id, tenant=request.tenant)
+            await self.budgets.check(api_key_id=request.api_key_id, tenant=request.tenant)
 
     @hookimpl
     def infermux_on_request_start(self, requests: Sequence[GenerationRequest]) -> None:
@@ -183,7 +215,7 @@ class CostPlugin:
         summary.attributes["infermux.cost"] = cost
         record = _record(summary, cost, pending.last_backend)
         await self.ledger.write(record)
-        self.budgets.charge(
+        await self.budgets.charge(
             api_key_id=record.api_key_id, tenant=record.tenant, cost=cost, at=record.created_at
         )
         if self._cost_total is not None:
@@ -205,7 +237,7 @@ class CostPlugin:
         ledger = self.ledger
         if ledger is None:
             return None
-        return await asyncio.to_thread(ledger.query, query, currency=self.currency)
+        return await ledger.report(query, currency=self.currency)
 
 
 def _record(summary: RequestSummary, cost: float, last_backend: str | None) -> UsageRecord:
