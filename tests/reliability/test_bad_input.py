@@ -339,7 +339,8 @@ def test_model_lookup_by_path_like_id_is_404(http: httpx.Client, path: str) -> N
         ({"model": "echo", "messages": []}, "messages"),
         ({"model": "echo", "messages": "hello"}, "messages"),
         ({"model": "echo", "messages": [{"content": "x"}]}, "messages[0].role"),
-        ({"model": "echo", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"model": "echo", "messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+        ({"model": "echo", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"model": "echo", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
             {"model": "echo", "messages": [{"role": "user", "content": {"a": 1}}]},
