@@ -1,5 +1,6 @@
 """HTTP controllers of the OpenAI-compatible API and the health endpoints."""
 
+from gateway.anthropic.count_tokens import CountTokensController
 from gateway.anthropic.messages import MESSAGES
 from gateway.controllers.chat import CHAT_COMPLETIONS
 from gateway.controllers.completion import COMPLETIONS
@@ -13,6 +14,7 @@ from gateway.controllers.usage import UsageController
 
 __all__ = [
     "CHAT_COMPLETIONS",
+    "CountTokensController",
     "COMPLETIONS",
     "CONTROLLERS",
     "EMBEDDINGS",
@@ -37,4 +39,5 @@ CONTROLLERS = (
     UsageController,
     TokenizeController,
     ResponseController,
+    CountTokensController,
 )

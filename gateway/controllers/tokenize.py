@@ -32,7 +32,7 @@ from gateway.schemas import (
 )
 from gateway.state import GatewayState
 
-__all__ = ["TokenizeController"]
+__all__ = ["TokenizeController", "answer_once", "tokenizer_backend"]
 
 
 class TokenizeController(Controller):
@@ -63,7 +63,7 @@ class TokenizeController(Controller):
             chat = ChatCompletionRequest(model=data.model, messages=data.messages)
             converted = chat_generation_requests(chat, _context(request, gateway))
             messages = converted[0].messages
-        backend = _backend(request, gateway, data.model)
+        backend = tokenizer_backend(request, gateway, data.model)
         ask = GenerationRequest(
             request_id=request_id_of(request),
             model=data.model,
@@ -72,7 +72,7 @@ class TokenizeController(Controller):
             prompt=data.prompt,
             add_generation_prompt=data.add_generation_prompt,
         )
-        chunk = await _answer(backend, ask)
+        chunk = await answer_once(backend, ask)
         tokens = list(chunk.token_ids)
         return TokenizeResponse(
             count=len(tokens), max_model_len=backend.model_info().context_length, tokens=tokens
@@ -90,14 +90,14 @@ class TokenizeController(Controller):
         data: JSONBody[DetokenizeRequest],
         gateway: NamedDependency[GatewayState],
     ) -> DetokenizeResponse:
-        backend = _backend(request, gateway, data.model)
+        backend = tokenizer_backend(request, gateway, data.model)
         ask = GenerationRequest(
             request_id=request_id_of(request),
             model=data.model,
             kind="detokenize",
             prompt=tuple(data.tokens),
         )
-        chunk = await _answer(backend, ask)
+        chunk = await answer_once(backend, ask)
         return DetokenizeResponse(prompt=chunk.text)
 
 
@@ -105,7 +105,7 @@ def _context(request: Request[Any, Any, Any], gateway: GatewayState) -> RequestC
     return RequestContext(request_id=request_id_of(request), limits=gateway.config.limits)
 
 
-def _backend(request: Request[Any, Any, Any], gateway: GatewayState, model: str) -> Backend:
+def tokenizer_backend(request: Request[Any, Any, Any], gateway: GatewayState, model: str) -> Backend:
     """The pinned backend, else the alias's first one with the model's tokenizer."""
     if not model.strip():
         raise InvalidRequestError("model must name a model (see GET /v1/models)", param="model")
@@ -132,7 +132,7 @@ def _backend(request: Request[Any, Any, Any], gateway: GatewayState, model: str)
     )
 
 
-async def _answer(backend: Backend, ask: GenerationRequest) -> Any:
+async def answer_once(backend: Backend, ask: GenerationRequest) -> Any:
     stream = backend.generate(ask)
     try:
         async for chunk in stream:

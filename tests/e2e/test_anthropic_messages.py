@@ -174,3 +174,14 @@ def test_a_message_is_one_ledger_row_with_its_tokens(gw: LiveGateway) -> None:
         message.usage.cache_read_input_tokens or 0
     )
     assert after["output_tokens"] - before["output_tokens"] == message.usage.output_tokens
+
+
+@pytest.mark.parametrize("model", BACKENDS)
+def test_count_tokens_is_what_a_message_reports_as_input(gw: LiveGateway, model: str) -> None:
+    client = _client(gw)
+    for extra in ({}, {"tools": [WEATHER]}, {"system": "You are terse."}):
+        counted = client.messages.count_tokens(model=model, messages=QUESTION, **extra)
+        message = client.messages.create(model=model, max_tokens=1, messages=QUESTION, **extra)
+        assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="no-such-model", messages=QUESTION)
