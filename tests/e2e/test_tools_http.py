@@ -137,6 +137,9 @@ def test_streamed_tool_call_deltas_reassemble_to_the_non_streamed_call(gw: LiveG
     request: dict[str, Any] = {
         "model": model, "messages": [{"role": "user", "content": PROMPTS[0]}], "tools": TOOLS,
         "tool_choice": "required", "max_tokens": 120, "temperature": 0,
+        # One call: llama.cpp's greedy output may part between two requests where its reused
+        # prompt cache rounds differently, and a second call is where this small model drifts.
+        "parallel_tool_calls": False,
     }
     whole = client.chat.completions.create(**request)
     chunks = list(client.chat.completions.create(**request, stream=True))
