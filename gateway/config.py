@@ -80,10 +80,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     alias: str
     #: Backend names (from ``[[backends]]``) in priority order.
     backends: list[str]
-    #: "priority" (fallback in order) | "round_robin" | "least_outstanding" | a plugin's.
+    #: "priority" (fallback in order) | "round_robin" | "least_outstanding" | "slo_cost" |
+    #: a plugin's.
     strategy: str = "priority"
     #: Extra attempts on other backends, only before the first byte reached the client.
     max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
+    #: The alias's latency SLO (``slo_cost`` routes to the cheapest backend predicted to
+    #: meet it; the headers ``x-infermux-ttft-slo-ms`` / ``x-infermux-tpot-slo-ms`` override).
+    ttft_slo_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    tpot_slo_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class PluginsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

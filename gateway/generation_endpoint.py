@@ -34,12 +34,15 @@ from gateway.generation_response import BACKEND_HEADER, Generation, respond
 from gateway.request_conversion import RequestContext, header_labels
 from gateway.request_id import request_id_in
 from gateway.state import GatewayState
+from plugins.builtin.slo_cost import TPOT_SLO_HEADER, TTFT_SLO_HEADER
 
 __all__ = ["GenerationEndpoint", "generation_handlers"]
 
 BodyT = TypeVar("BodyT", bound=msgspec.Struct)
 
 _ALLOW = [(b"allow", b"OPTIONS, POST")]
+#: A request's latency SLO (the ``slo_cost`` routing strategy reads them from the labels).
+SLO_HEADERS = (TTFT_SLO_HEADER, TPOT_SLO_HEADER)
 
 
 class GenerationEndpoint(Generic[BodyT]):
@@ -114,7 +117,7 @@ async def _serve(
             limits=config.limits,
             reasoning=config.reasoning,
             traceparent=headers.get("traceparent"),
-            labels=header_labels(headers, config.plugins.request_headers),
+            labels=header_labels(headers, (*config.plugins.request_headers, *SLO_HEADERS)),
             api_key_id=api_key.id if api_key is not None else None,
         ),
     )

@@ -38,6 +38,7 @@ again after a crash) closes its circuit at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import msgspec
 
-from backends.base import Backend, BackendConfig, GenerationChunk, GenerationRequest
+from backends.base import Backend, BackendConfig, GenerationChunk, GenerationRequest, Usage
 from backends.deadline import Deadline, earliest
 from backends.errors import (
     BackendError,
@@ -59,6 +60,8 @@ from backends.errors import (
     UpstreamTimeoutError,
 )
 from gateway.capability_check import unsupported_parameter
+from plugins.builtin.routing import RoutingContext
+from plugins.builtin.slo_cost import DECISION_LABEL
 
 if TYPE_CHECKING:
     from gateway.config import ModelConfig
@@ -195,7 +198,10 @@ class ModelRouter:
         backend_configs: Mapping[str, BackendConfig],
         hooks: PluginHooks,
         clock: Callable[[], float] = time.monotonic,
+        price_of: Callable[[str, str], tuple[float, float] | None] | None = None,
     ) -> None:
+        """``price_of(alias, backend)``: the (input, output) price per million tokens, for
+        strategies that weigh cost (``slo_cost``)."""
         self._backends = backends
         self._configs = backend_configs
         self._hooks = hooks
@@ -213,9 +219,19 @@ class ModelRouter:
                     f"models[{i}].strategy: unknown routing strategy {model.strategy!r} "
                     f"(known: {known})"
                 )
-            self._routes[model.alias] = _Route(
-                model.alias, list(model.backends), factory(), model.max_retries
-            )
+            strategy = factory()
+            configure = getattr(strategy, "configure", None)
+            if callable(configure):
+                prices = {}
+                for name in model.backends:
+                    price = price_of(model.alias, name) if price_of is not None else None
+                    if price is not None:
+                        prices[name] = price
+                configure(RoutingContext(
+                    alias=model.alias, backends=tuple(model.backends), prices=prices,
+                    ttft_slo_ms=model.ttft_slo_ms, tpot_slo_ms=model.tpot_slo_ms,
+                ))
+            self._routes[model.alias] = _Route(model.alias, list(model.backends), strategy, model.max_retries)
         self._circuits: dict[str, CircuitBreaker] = {}
         for name, backend in backends.items():
             config = backend_configs.get(name)
@@ -279,7 +295,7 @@ class ModelRouter:
                 )
             ordered = [pinned_backend]
         else:
-            ordered = self._order(route, request)
+            ordered, request = self._order(route, request)
 
         max_attempts = 1 + route.max_retries
         attempts: list[Attempt] = []
@@ -297,7 +313,7 @@ class ModelRouter:
             if not circuit.try_acquire():
                 continue
             try:
-                stream = await self._attempt(name, circuit, request, attempts)
+                stream = await self._attempt(name, circuit, request, attempts, route)
             except InfermuxError as exc:  # not retryable: the client gets it now
                 if getattr(exc, "backend_name", None) is None:
                     exc.backend_name = name  # type: ignore[attr-defined]
@@ -330,13 +346,21 @@ class ModelRouter:
             last_error.backend_name = attempts[-1].backend_name  # type: ignore[attr-defined]
         raise last_error
 
-    def _order(self, route: _Route, request: GenerationRequest) -> list[str]:
+    def _order(self, route: _Route, request: GenerationRequest) -> tuple[list[str], GenerationRequest]:
+        """The backends in the order to try, and the request (with the strategy's decision
+        in its labels when the strategy explains itself: the routing span shows it)."""
         candidates = list(route.backend_names)
-        ordered = route.strategy.order(candidates, request, self._outstanding)
+        decide = getattr(route.strategy, "decide", None)
+        if callable(decide):
+            ordered, decision = decide(candidates, request, self._outstanding)
+            labels = {**request.labels, DECISION_LABEL: json.dumps(decision, separators=(",", ":"))}
+            request = msgspec.structs.replace(request, labels=labels)
+        else:
+            ordered = route.strategy.order(candidates, request, self._outstanding)
         chosen = self._hooks.select_backend(request=request, candidates=candidates)
         if chosen is not None:
             ordered = [chosen] + [name for name in ordered if name != chosen]
-        return ordered
+        return ordered, request
 
     async def _attempt(
         self,
@@ -344,6 +368,7 @@ class ModelRouter:
         circuit: CircuitBreaker,
         request: GenerationRequest,
         attempts: list[Attempt],
+        route: _Route | None = None,
     ) -> RoutedStream | None:
         """Open ``name`` and wait for its first chunk; None after a retryable failure."""
         config = self._configs.get(name)
@@ -413,19 +438,31 @@ class ModelRouter:
                 raise
             raise error from exc
         circuit.record_success()
-        attempts.append(Attempt(backend_name=name, error=None, duration_s=_since(started)))
+        first_at = time.monotonic()
+        attempts.append(Attempt(backend_name=name, error=None, duration_s=first_at - started))
         self._hooks.on_attempt_end(request=request, backend_name=name, attempt=attempt, error=None)
+        on_done = self._on_stream_done
+        observe = getattr(route.strategy, "observe", None) if route is not None else None
+        if callable(observe):  # the strategy learns each backend's TTFT and TPOT
+
+            def on_done(name: str, error: InfermuxError | None, usage: Usage | None) -> None:
+                self._on_stream_done(name, error, usage)
+                if error is None:
+                    tokens = usage.completion_tokens if usage is not None else 0
+                    tpot = (time.monotonic() - first_at) / (tokens - 1) if tokens > 1 else None
+                    observe(name, ttft_s=first_at - started, tpot_s=tpot)
+
         return RoutedStream(
             backend_name=name,
             attempts=attempts,
             first=first,
             stream=stream,
-            on_done=self._on_stream_done,
+            on_done=on_done,
             idle_timeout=config.idle_timeout if config is not None else None,
             deadline=deadline,
         )
 
-    def _on_stream_done(self, name: str, error: InfermuxError | None) -> None:
+    def _on_stream_done(self, name: str, error: InfermuxError | None, usage: Usage | None = None) -> None:
         self._outstanding[name] -= 1
         if isinstance(error, BackendError) and not isinstance(error, GenerationAbortedError):
             circuit = self._circuits[name]
@@ -457,7 +494,7 @@ class RoutedStream:
         attempts: list[Attempt],
         first: GenerationChunk,
         stream: AsyncIterator[GenerationChunk],
-        on_done: Callable[[str, InfermuxError | None], None],
+        on_done: Callable[[str, InfermuxError | None, Usage | None], None],
         idle_timeout: float | None = None,
         deadline: float | None = None,
     ) -> None:
@@ -465,7 +502,9 @@ class RoutedStream:
         self.attempts = attempts
         self._first: GenerationChunk | None = first
         self._stream = stream
-        self._on_done: Callable[[str, InfermuxError | None], None] | None = on_done
+        self._on_done: Callable[[str, InfermuxError | None, Usage | None], None] | None = on_done
+        #: The usage of the stream's last chunk that had one (the strategy's TPOT).
+        self._usage: Usage | None = first.usage
         self._idle_timeout = idle_timeout
         #: ``time.monotonic()`` deadline of the whole stream (total timeout), or None.
         self._deadline = deadline
@@ -496,7 +535,10 @@ class RoutedStream:
         waiter = self._waiter
         try:
             try:
-                return await anext(self._stream)
+                chunk = await anext(self._stream)
+                if chunk.usage is not None:
+                    self._usage = chunk.usage
+                return chunk
             finally:
                 timed_out = self._wait_ended(waiter)
         except (Exception, asyncio.CancelledError) as exc:
@@ -523,6 +565,8 @@ class RoutedStream:
             try:
                 async for chunk in self._stream:
                     take(chunk)
+                    if chunk.usage is not None:
+                        self._usage = chunk.usage
                     idle_deadline = self._watch(waiter)
             finally:
                 timed_out = self._wait_ended(waiter)
@@ -626,7 +670,7 @@ class RoutedStream:
             self._timer = None
         on_done, self._on_done = self._on_done, None
         if on_done is not None:
-            on_done(self.backend_name, error)
+            on_done(self.backend_name, error, self._usage)
 
 
 def _as_error(name: str, exc: BaseException, timeout: float | None) -> InfermuxError | None:

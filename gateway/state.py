@@ -199,12 +199,20 @@ class GatewayState:
             )
         try:
             from gateway.router import ModelRouter
+            from plugins.builtin.cost.pricing import PriceBook
+
+            prices = PriceBook(self.config.cost.prices)
+
+            def price_of(alias: str, backend: str) -> tuple[float, float] | None:
+                rule = prices.rule_for(alias, backend)
+                return None if rule is None else (rule.input_per_mtok, rule.output_per_mtok)
 
             self.router = ModelRouter(
                 models=self.config.models,
                 backends=self.backends,
                 backend_configs=self.backend_configs,
                 hooks=self.hooks,
+                price_of=price_of,
             )
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"

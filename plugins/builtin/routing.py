@@ -9,18 +9,37 @@ is per alias. A plugin registering the same name replaces a built-in one.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backends.base import GenerationRequest
 from plugins.hookspecs import hookimpl
 
 __all__ = [
+    "RoutingContext",
     "LeastOutstandingStrategy",
     "PriorityStrategy",
     "RoundRobinStrategy",
     "RoutingStrategy",
     "infermux_register_routing_strategies",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingContext:
+    """What the router tells a strategy about its alias, once, if the strategy has
+    ``configure(context)``. A strategy may also have ``observe(backend, *, ttft_s, tpot_s)``
+    (called when a stream it routed ended well) and ``decide(candidates, request,
+    outstanding) -> (order, decision)`` (used instead of ``order``; the decision, a JSON-able
+    dict, goes on the request's routing span)."""
+
+    alias: str
+    backends: tuple[str, ...]
+    #: backend -> (input, output) price per million tokens (``[[cost.prices]]``); absent: free.
+    prices: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    #: The alias's SLO (``[[models]] ttft_slo_ms`` / ``tpot_slo_ms``), None: none.
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
 
 class RoutingStrategy(Protocol):
@@ -76,7 +95,10 @@ class LeastOutstandingStrategy:
 def infermux_register_routing_strategies(
     register: Callable[[str, Callable[[], Any]], None],
 ) -> None:
-    """Register ``priority``, ``round_robin`` and ``least_outstanding``."""
+    """Register ``priority``, ``round_robin``, ``least_outstanding`` and ``slo_cost``."""
+    from plugins.builtin.slo_cost import SloCostStrategy
+
     register("priority", PriorityStrategy)
+    register("slo_cost", SloCostStrategy)
     register("round_robin", RoundRobinStrategy)
     register("least_outstanding", LeastOutstandingStrategy)

@@ -46,6 +46,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from backends.base import SpeculationStats
 from plugins.builtin.genai_names import operation_name, provider_name
 from plugins.builtin.otel_env import build_tracer_provider, shutdown_quietly, tracing_wanted
+from plugins.builtin.slo_cost import DECISION_LABEL
 from plugins.hookspecs import hookimpl
 from plugins.request_summary import http_request_id
 
@@ -205,13 +206,17 @@ class TracingPlugin:
         choice = request.choice_index
         route = state.routes.get(choice)
         if route is None:
+            route_attributes: dict[str, Any] = {
+                "gen_ai.request.model": request.model,
+                "infermux.choice_index": choice,
+            }
+            decision = request.labels.get(DECISION_LABEL)
+            if decision is not None:  # the strategy's decision and its inputs (slo_cost)
+                route_attributes["infermux.routing.decision"] = decision
             route = state.routes[choice] = tracer.start_span(
                 f"route {request.model}",
                 context=trace.set_span_in_context(state.root),
-                attributes={
-                    "gen_ai.request.model": request.model,
-                    "infermux.choice_index": choice,
-                },
+                attributes=route_attributes,
             )
         info = self._backends.get(backend_name)
         kind = info.kind if info is not None else None
