@@ -20,13 +20,13 @@ import httpx
 import msgspec
 
 from backends.base import (
-    ChatMessage,
     GenerationRequest,
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from backends.chat_plan import message_dicts
 from backends.errors import UnsupportedParameterError
 
 __all__ = [
@@ -235,21 +235,6 @@ class UpstreamEmbeddings(msgspec.Struct, frozen=True, kw_only=True):
     usage: UpstreamEmbeddingUsage | None = None
 
 
-def _wire_message(message: ChatMessage) -> dict[str, Any]:
-    item: dict[str, Any] = {"role": message.role, "content": message.content}
-    if message.name is not None:
-        item["name"] = message.name
-    if message.tool_calls:
-        item["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in message.tool_calls
-        ]
-        item["content"] = message.content or None
-    if message.tool_call_id is not None:
-        item["tool_call_id"] = message.tool_call_id
-    return item
-
-
 def request_body(request: GenerationRequest, *, model: str) -> tuple[str, bytes]:
     """Upstream path and JSON body for ``request`` (always streaming, with usage)."""
     params = request.params
@@ -261,7 +246,10 @@ def request_body(request: GenerationRequest, *, model: str) -> tuple[str, bytes]
     want_logprobs = params.logprobs or params.top_logprobs > 0
     if request.kind == "chat":
         path = "/chat/completions"
-        body["messages"] = [_wire_message(m) for m in request.messages or ()]
+        body["messages"] = message_dicts(request.messages)
+        for item in body["messages"]:
+            if item.get("tool_calls") and not item["content"]:
+                item["content"] = None  # OpenAI's shape of a turn that only called tools
         if request.tools:
             body["tools"] = list(request.tools)
             body["tool_choice"] = (

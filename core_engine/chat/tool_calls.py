@@ -290,6 +290,20 @@ class ToolCallParser:
         out.content += opening + scanner.text  # not a call: what the model wrote, verbatim
         return False
 
+    def _flush_call(self, out: ParsedDelta, opening: str) -> None:
+        """The output ended inside a call: finish what was streamed, else give it back as text."""
+        assert self._scanner is not None
+        self._stream_call(out, final=True)
+        if self._header_sent:
+            self.num_calls += 1
+        else:
+            out.content += opening + self._scanner.text
+        self._scanner = None
+
+    def _flush_content(self, out: ParsedDelta) -> None:
+        """The output ended in content: what was held back (trailing space only without calls)."""
+        out.content += self._space + self._buffer if not self.num_calls else self._buffer.rstrip()
+
     def feed(self, delta: str) -> ParsedDelta:
         raise NotImplementedError
 
@@ -351,14 +365,9 @@ class HermesToolCallParser(ToolCallParser):
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self._state == "call" and self._scanner is not None:
-            self._stream_call(out, final=True)
-            if self._header_sent:
-                self.num_calls += 1
-            else:
-                out.content += self.START + self._scanner.text
-            self._scanner = None
+            self._flush_call(out, self.START)
         elif self._state == "content":
-            out.content += self._space + self._buffer if not self.num_calls else self._buffer.rstrip()
+            self._flush_content(out)
         self._buffer, self._space = "", ""
         return out
 
@@ -421,12 +430,7 @@ class Llama3JsonToolCallParser(ToolCallParser):
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self._state == "call" and self._scanner is not None:
-            self._stream_call(out, final=True)
-            if self._header_sent:
-                self.num_calls += 1
-            else:
-                out.content += self._opening + self._scanner.text
-            self._scanner = None
+            self._flush_call(out, self._opening)
         elif self._state in ("start", "content"):
             out.content += self._space + (self._opening if not self.num_calls else "") + self._buffer
         self._buffer, self._space = "", ""
@@ -546,7 +550,7 @@ class MistralToolCallParser(ToolCallParser):
             self._send_value(out)
             self.num_calls += 1
         elif self._state == "content":
-            out.content += self._space + self._buffer if not self.num_calls else self._buffer.rstrip()
+            self._flush_content(out)
         self._buffer, self._space = "", ""
         return out
 

@@ -254,7 +254,6 @@ def test_an_unterminated_64_mb_header_is_refused_while_it_arrives(gw: LiveGatewa
             pass
     assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
     assert b"request_header_fields_too_large" in reply
-    assert sent < 64 * len(piece) or reply  # the server answered
     assert _rss_bytes() - before < 16 * 2**20
 
 
