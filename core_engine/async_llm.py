@@ -254,9 +254,9 @@ class AsyncLLM:
             try:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # that event loop is closed: its consumers are gone
-                for _, out in items:
-                    if isinstance(out, RequestOutput) and not out.finished:
-                        self._abort_now(out.req_id)
+                for _, delivered in items:
+                    if isinstance(delivered, RequestOutput) and not delivered.finished:
+                        self._abort_now(delivered.req_id)
 
 
 def _deliver(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:

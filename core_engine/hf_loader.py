@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -124,7 +124,7 @@ def hf_config(directory: str | Path, tensors: _Tensors | None = None) -> LlamaCo
             raise HFLoadError(f"{directory}: RoPE scaling {kind!r} is not supported (linear, llama3 and longrope are)")
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         raise HFLoadError(f"{directory}: partial RoPE is not supported")
-    moe: dict[str, int] = {}
+    moe: dict[str, Any] = {}
     if spec.moe or model_type == "mixtral":
         if not cfg.get("norm_topk_prob", True) or cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise HFLoadError(f"{directory}: only MoE checkpoints with experts in every layer and norm_topk_prob are supported")
@@ -230,7 +230,8 @@ def load_hf_model(
         model.norm.copy_(norm("model.norm.weight"))
         if not config.tie_word_embeddings:
             model.lm_head.copy_(tensors.get("lm_head.weight"))
-        for i, layer in enumerate(model.layers):
+        # Any: Gemma's and the MoE layers add norms and experts to the Llama layer
+        for i, layer in enumerate(cast("list[Any]", list(model.layers))):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
             fused = architecture(config.architecture).fused_projections  # type: ignore[union-attr]

@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
-from torch import nn
 
 from core_engine.attention import PackedAttention
 from core_engine.paged_attention import KVCache, PagedAttention, build_attention_metadata
@@ -38,6 +37,7 @@ class ForwardBatch(msgspec.Struct, frozen=True, array_like=True):
     input_ids: list[int]
     positions: list[int]
     #: ``(position, block_ids)`` or ``(position, block_ids, num_tokens)`` per decode.
+    #: (msgspec decodes one tuple shape per field: the union of the two lengths is spelled loosely)
     decodes: list[tuple[int | list[int], ...]]
     prefills: list[tuple[int, int, list[int]]]
     logits_indices: list[int]
@@ -54,7 +54,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Any,  # LlamaModel or a subclass (final_norm, hidden_states, forward)
         *,
         num_blocks: int,
         block_size: int,
@@ -185,7 +185,7 @@ class ModelRunner:
         matchers = [r.active_matcher for r in sample_reqs]
         masks = self.token_masks.start(matchers) if any(m is not None for m in matchers) else None
         batch = ForwardBatch(
-            input_ids, positions, decodes, prefills, logits_indices,
+            input_ids, positions, cast("list[tuple[int | list[int], ...]]", decodes), prefills, logits_indices,
             compiled=self._decode_forward is not None and not prefills and not spec_items,
         )
         if self.before_forward is not None:
@@ -255,7 +255,7 @@ class ModelRunner:
         self.attn.prepare(
             build_attention_metadata(
                 block_size=self.block_size,
-                decodes=batch.decodes,
+                decodes=cast("list[tuple[int, list[int]]]", batch.decodes),
                 prefills=batch.prefills,
                 device=device,
                 use_kernel=self.attn.uses_kernel,

@@ -295,8 +295,9 @@ class Scheduler:
                 continue
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             produced = False
-            if prompt_logprobs is not None and prompt_logprobs[idx] is not None:
-                request.prompt_logprobs.extend(prompt_logprobs[idx])
+            computed = prompt_logprobs[idx] if prompt_logprobs is not None else None
+            if computed is not None:
+                request.prompt_logprobs.extend(computed)
                 produced = True
             token_id = runner_output.sampled_token_ids[idx]
             if token_id is not None:

@@ -176,9 +176,9 @@ class _Worker:
                     task = asyncio.create_task(self._generate(message.id, message.request))
                     self.tasks[message.id] = task
                 elif isinstance(message, Cancel):
-                    task = self.tasks.get(message.id)
-                    if task is not None:
-                        task.cancel()
+                    running = self.tasks.get(message.id)
+                    if running is not None:
+                        running.cancel()
                 elif isinstance(message, Stop):
                     self.stopping.set()
                     return

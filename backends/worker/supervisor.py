@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -200,7 +200,7 @@ class WorkerBackend:
         began = time.monotonic()
         while True:
             done, _ = await asyncio.wait(
-                {worker.ready, worker.exited},
+                {cast("asyncio.Future[object]", worker.ready), cast("asyncio.Future[object]", worker.exited)},
                 timeout=_PROGRESS_EVERY_S,
                 return_when=asyncio.FIRST_COMPLETED,
             )

@@ -11,6 +11,7 @@ blocking it for ever).
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ class TensorParallelGroup:
             torch.cuda.set_device(self.device)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self._pg: dist.ProcessGroup = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
+            self._pg: Any = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
         else:
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
 

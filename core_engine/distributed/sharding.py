@@ -183,7 +183,10 @@ def shard_model(model: LlamaModel, shard: RankShard, group: TensorParallelGroup,
     ffn_rows = _ranges((f0, f1), (inter + f0, inter + f1))
     ffn_cols = _ranges((f0, f1))
     local = shard.local_config(config)
-    for layer in model.layers:
+    # Class surgery: the layers and the model become their tensor-parallel classes in place,
+    # so their attributes are set through untyped views.
+    layers: list[Any] = list(model.layers)
+    for layer in layers:
         layer.qkv_proj = _take(layer.qkv_proj, qkv_rows, 0)
         layer.qkv_bias = _take(layer.qkv_bias, qkv_rows, 0)
         layer.o_proj = _take(layer.o_proj, o_cols, 1)
@@ -195,12 +198,13 @@ def shard_model(model: LlamaModel, shard: RankShard, group: TensorParallelGroup,
         layer.__class__ = TensorParallelDecoderLayer
         layer.tp = group
     vocab_rows = _ranges(shard.vocab)
+    model_view: Any = model
     tied = model.lm_head is model.embed_tokens
-    model.embed_tokens = _take(model.embed_tokens, vocab_rows, 0)
-    model.lm_head = model.embed_tokens if tied else _take(model.lm_head, vocab_rows, 0)
-    model.head = type(model.head)(model.lm_head)
+    model_view.embed_tokens = _take(model.embed_tokens, vocab_rows, 0)
+    model_view.lm_head = model.embed_tokens if tied else _take(model.lm_head, vocab_rows, 0)
+    model_view.head = type(model_view.head)(model.lm_head)
     if model.block_source is not None:
-        model.block_source = ShardedBlockSource(model.block_source, config, shard)  # type: ignore[assignment]
+        model_view.block_source = ShardedBlockSource(model.block_source, config, shard)
     model.config = local
-    model.__class__ = TensorParallelLlamaModel
-    model.tp, model.shard, model.vocab_widths = group, shard, list(widths)
+    model_view.__class__ = TensorParallelLlamaModel
+    model_view.tp, model_view.shard, model_view.vocab_widths = group, shard, list(widths)

@@ -268,7 +268,7 @@ class TopKRefinedLinear(_Product):
         self._approx = approx
         self._exact = exact_weight  # (out, in), rows gathered per call
         self._k = min(k, exact_weight.shape[0])
-        self.nbytes = approx.nbytes
+        self.nbytes: int = approx.nbytes
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (T, in) -> (T, out), the top ``k`` of each row exact."""

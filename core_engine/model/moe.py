@@ -63,7 +63,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str, qkv_bias: bool) -> None:
         super().__init__(config, dtype=dtype, device=device, qkv_bias=qkv_bias)
         del self.gate_up_proj, self.down_proj  # no dense FFN
-        self.gate_up_proj = self.down_proj = None
+        self.gate_up_proj = self.down_proj = None  # type: ignore[assignment]
         self.gate_up = self.down = None  # type: ignore[assignment]
         hidden, inter, experts = config.hidden_size, config.expert_intermediate_size, config.num_experts
         self.top_k = config.num_experts_used

@@ -114,11 +114,11 @@ def dequantize(
         raw = np.asarray(data).reshape(-1).view(np.uint8)
         if raw.size % block_bytes or raw.size // block_bytes * block_weights != numel:
             raise UnsupportedTensorTypeError(f"{name}: {raw.size} bytes of {qtype.name} blocks do not hold {numel} weights")
-        blocks = raw.reshape(-1, block_bytes)
+        packed = raw.reshape(-1, block_bytes)
         step = max(1, _CHUNK_ELEMENTS // block_weights)
         flat = torch.cat([
-            torch.from_numpy(quants.dequantize(blocks[i : i + step], qtype).astype(np.float32).reshape(-1))
-            for i in range(0, blocks.shape[0], step)
+            torch.from_numpy(quants.dequantize(packed[i : i + step], qtype).astype(np.float32).reshape(-1))
+            for i in range(0, packed.shape[0], step)
         ])
     else:
         raise UnsupportedTensorTypeError(

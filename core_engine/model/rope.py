@@ -75,6 +75,9 @@ class RotaryEmbedding(nn.Module):
     in ``dtype``.
     """
 
+    cos: Tensor
+    sin: Tensor
+
     def __init__(
         self,
         config: LlamaConfig,

@@ -163,8 +163,8 @@ def messages_generation_request(body: MessagesRequest, context: RequestContext) 
     system = _system_text(body.system)
     if system:
         messages.append(ChatMessage(role="system", content=system))
-        for block in body.system if isinstance(body.system, list) else ():
-            mark(block.cache_control)
+        for system_block in body.system if isinstance(body.system, list) else ():
+            mark(system_block.cache_control)
     for i, message in enumerate(body.messages):
         messages.extend(_turns(i, message.role, message.content))
         for block in message.content if isinstance(message.content, list) else ():

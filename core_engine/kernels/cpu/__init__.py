@@ -69,9 +69,9 @@ def _load(module: str, path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(module, path)
     if spec is None or spec.loader is None:
         raise KernelBuildError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
 
 
 @cache

@@ -328,7 +328,7 @@ class Ledger:
             error = errors.get(index)
             if isinstance(future, asyncio.Future):
                 outcomes.setdefault(future.get_loop(), []).append((future, error))
-            elif future.set_running_or_notify_cancel():  # else cancelled by its waiter
+            elif future is not None and future.set_running_or_notify_cancel():  # else cancelled by its waiter
                 if error is None:
                     future.set_result(None)
                 else:
