@@ -4,6 +4,14 @@ Why a facade: callers get typed methods with keyword arguments instead of ``pm.h
 async hookimpls are awaited; notification hooks are isolated per plugin (one plugin raising
 or hanging neither stops the others nor reaches the client); chained hooks
 (``transform_request``) pass each result to the next implementation.
+
+pluggy's own call (``pm.hook.name(**kwargs)``) stops at the first implementation that
+raises and returns coroutines unawaited, so notifications cannot go through it. They follow
+pluggy's order instead, read from pluggy (``get_hookimpls()`` reversed: tryfirst first, later
+registrations first), and its wrappers: a ``wrapper=True`` (or old-style ``hookwrapper=True``)
+implementation runs around the plain ones, outermost first, and receives their answers as
+pluggy would give them (a list; ``pluggy.Result`` for old-style wrappers). A wrapper that
+raises is logged and the notification goes on without it.
 """
 
 from __future__ import annotations
@@ -261,14 +269,31 @@ class PluginHooks:
         self._orders[hook_name] = (impls, order)
         return order
 
+    def _wrappers(self, hook_name: str) -> list[pluggy.HookImpl]:
+        """The hook's wrapper implementations, outermost first (pluggy's order)."""
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        return [impl for impl in reversed(impls) if impl.wrapper or impl.hookwrapper]
+
     async def _notify(self, hook_name: str, kwargs: Mapping[str, Any]) -> None:
+        wrappers = self._wrappers(hook_name)
+        if not wrappers:
+            await self._notify_plain(hook_name, kwargs)
+            return
+        entered = _enter_wrappers(hook_name, wrappers, kwargs)
+        answers = await self._notify_plain(hook_name, kwargs)
+        _exit_wrappers(hook_name, entered, answers)
+
+    async def _notify_plain(self, hook_name: str, kwargs: Mapping[str, Any]) -> list[Any]:
+        answers: list[Any] = []
         for impl in self._call_order(hook_name):
             try:
                 result = impl.function(*_arguments(impl, kwargs))
                 if result is not None and inspect.isawaitable(result):
                     # Awaited in this task (no task per call, as wait_for would make).
                     with Deadline(time.monotonic() + self.hook_timeout_s):
-                        await result
+                        result = await result
+                if result is not None:
+                    answers.append(result)
             except TimeoutError:
                 logger.warning(
                     "plugin %r: %s took longer than %.1f s; abandoned",
@@ -278,9 +303,19 @@ class PluginHooks:
                 )
             except Exception:
                 logger.exception("plugin %r: %s raised; ignored", impl.plugin_name, hook_name)
+        return answers
 
     def _notify_sync(self, hook_name: str, kwargs: Mapping[str, Any]) -> list[Any]:
-        """Call a synchronous hook's implementations in pluggy's order, each isolated."""
+        """Call a synchronous hook's implementations in pluggy's order, each isolated, inside
+        its wrappers."""
+        wrappers = self._wrappers(hook_name)
+        entered = _enter_wrappers(hook_name, wrappers, kwargs) if wrappers else []
+        answers = self._notify_sync_plain(hook_name, kwargs)
+        if entered:
+            _exit_wrappers(hook_name, entered, answers)
+        return answers
+
+    def _notify_sync_plain(self, hook_name: str, kwargs: Mapping[str, Any]) -> list[Any]:
         answers: list[Any] = []
         for impl in self._call_order(hook_name):
             try:
@@ -294,8 +329,42 @@ class PluginHooks:
                     "plugin %r: %s must be synchronous; ignored", impl.plugin_name, hook_name
                 )
                 continue
-            answers.append(result)
+            if result is not None:
+                answers.append(result)
         return answers
+
+
+def _enter_wrappers(
+    hook_name: str, wrappers: list[pluggy.HookImpl], kwargs: Mapping[str, Any]
+) -> list[tuple[pluggy.HookImpl, Any]]:
+    """Run each wrapper to its ``yield``, outermost first; those that got there, in order."""
+    entered: list[tuple[pluggy.HookImpl, Any]] = []
+    for impl in wrappers:
+        try:
+            generator: Any = impl.function(*_arguments(impl, kwargs))
+            next(generator)
+        except Exception:
+            logger.exception("plugin %r: %s wrapper raised before its yield; ignored", impl.plugin_name, hook_name)
+            continue
+        entered.append((impl, generator))
+    return entered
+
+
+def _exit_wrappers(hook_name: str, entered: list[tuple[pluggy.HookImpl, Any]], answers: list[Any]) -> None:
+    """Resume the wrappers innermost first with the plain implementations' answers."""
+    result: Any = answers
+    for impl, generator in reversed(entered):
+        try:
+            generator.send(pluggy.Result(result, None) if impl.hookwrapper else result)
+        except StopIteration as stop:
+            if impl.wrapper and stop.value is not None:
+                result = stop.value
+            continue
+        except Exception:
+            logger.exception("plugin %r: %s wrapper raised after its yield; ignored", impl.plugin_name, hook_name)
+            continue
+        generator.close()
+        logger.warning("plugin %r: %s wrapper yielded twice; closed", impl.plugin_name, hook_name)
 
 
 def _arguments(impl: pluggy.HookImpl, kwargs: Mapping[str, Any]) -> list[Any]:
