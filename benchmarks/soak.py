@@ -265,8 +265,8 @@ def _config(backend: str, ledger: Path, concurrency: int) -> Any:
 
     from backends.base import BackendConfig
     from gateway.config import LimitsConfig
-    from gateway.observability_config import CostConfig
     from gateway.testing import gateway_config
+    from plugins.builtin.cost.config import CostConfig
 
     if backend == "core_engine":
         backend_config = BackendConfig(

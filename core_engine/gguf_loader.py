@@ -43,7 +43,7 @@ from core_engine.model.llama import LlamaModel
 from core_engine.model.llamacpp_numerics import NUMERICS, LlamaCppModel, attach_llamacpp_numerics
 from core_engine.model.quant import dequantize
 from core_engine.model.rope import longrope_freq_factors
-from core_engine.tokenizer import Tokenizer
+from core_engine.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
 
 __all__ = ["GGUFBlockSource", "GGUFFile", "GGUFLoadError", "file_type_name", "load_model", "preferred_dtype"]
 
@@ -252,7 +252,7 @@ class GGUFFile:
 
     def tokenizer(self) -> Tokenizer:
         """The file's tokenizer (``tokenizer.ggml.*`` metadata)."""
-        return Tokenizer.from_gguf_metadata(self.metadata)
+        return tokenizer_from_gguf_metadata(self.metadata)
 
 
 def _unpermute_rope_rows(weight: Tensor, num_heads: int) -> Tensor:

@@ -23,8 +23,9 @@ import msgspec
 from backends import mlx as mlx_backend
 from backends.base import BackendConfig
 from backends.default_model import DEFAULT_MODEL_ALIAS, default_model_path
-from gateway.observability_config import CostConfig, TelemetryConfig, validate_observability
+from gateway.observability_config import TelemetryConfig
 from gateway.validation_message import split_validation_message
+from plugins.builtin.cost.config import CostConfig
 
 __all__ = [
     "ApiKeyConfig",
@@ -316,7 +317,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> InfermuxConfig:
         key, reason = split_validation_message(str(exc))
         raise ConfigError(f"{key}: {reason}" if key else reason, key=key) from exc
     _validate(config)
-    validate_observability(config, _fail)
+    _validate_cost(config)
     return config
 
 
@@ -496,3 +497,36 @@ def _apply_env(config: InfermuxConfig, env: Mapping[str, str]) -> InfermuxConfig
     if server is config.server:
         return config
     return msgspec.structs.replace(config, server=server)
+
+
+def _validate_cost(config: InfermuxConfig) -> None:
+    """``[cost]``'s cross-checks against the backends, aliases and keys."""
+    backends = {b.name for b in config.backends}
+    aliases = {m.alias for m in config.models}
+    seen: dict[tuple[str | None, str | None], int] = {}
+    for i, price in enumerate(config.cost.prices):
+        key = f"cost.prices[{i}]"
+        if price.model is None and price.backend is None:
+            raise _fail(key, "name a model, a backend or both")
+        if price.model is not None and price.model not in aliases:
+            raise _fail(f"{key}.model", f"unknown model alias {price.model!r}")
+        if price.backend is not None and price.backend not in backends:
+            raise _fail(f"{key}.backend", f"unknown backend {price.backend!r}")
+        if price.per_hour is not None and price.backend is None:
+            raise _fail(f"{key}.per_hour", "a price per hour needs a backend")
+        pair = (price.model, price.backend)
+        if pair in seen:
+            raise _fail(key, f"the same model/backend as cost.prices[{seen[pair]}]")
+        seen[pair] = i
+    database = config.cost.database
+    if database is not None and not database.startswith(("postgresql://", "postgres://")):
+        raise _fail("cost.database", "expected a postgresql:// URL (SQLite: ledger_path)")
+    key_ids = {k.id for k in getattr(getattr(config, "auth", None), "keys", [])}
+    for i, budget in enumerate(config.cost.budgets):
+        key = f"cost.budgets[{i}]"
+        if (budget.api_key is None) == (budget.tenant is None):
+            raise _fail(key, "name exactly one of api_key or tenant")
+        if budget.api_key is not None and key_ids and budget.api_key not in key_ids:
+            raise _fail(f"{key}.api_key", f"no [[auth.keys]] has the id {budget.api_key!r}")
+    if not config.cost.currency.strip():
+        raise _fail("cost.currency", "must not be empty")

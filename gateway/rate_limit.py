@@ -29,7 +29,7 @@ from backends.errors import RateLimitError, ServerOverloadedError
 from gateway.config import ApiKeyConfig, LimitsConfig
 
 if TYPE_CHECKING:
-    from plugins.shared_state import RedisState
+    pass
 
 __all__ = [
     "Admission",
@@ -295,21 +295,10 @@ class Grant:
 class Admission:
     """Per-key limits, then a global slot: :meth:`admit` returns a :class:`Grant`."""
 
-    def __init__(
-        self,
-        limits: LimitsConfig,
-        keys: Sequence[ApiKeyConfig],
-        *,
-        state: RedisState | None = None,
-        clock: Clock = time.monotonic,
-    ) -> None:
-        self.rate_limiter: KeyLimits
-        if state is None:
-            self.rate_limiter = KeyRateLimiter(keys, clock=clock)
-        else:
-            from gateway.shared_rate_limit import SharedKeyRateLimiter
-
-            self.rate_limiter = SharedKeyRateLimiter(keys, state, clock=clock)
+    def __init__(self, limits: LimitsConfig, rate_limiter: KeyLimits) -> None:
+        """``rate_limiter``: this replica's :class:`KeyRateLimiter`, or the one every replica
+        shares in Redis (:class:`~gateway.shared_rate_limit.SharedKeyRateLimiter`)."""
+        self.rate_limiter = rate_limiter
         self.concurrency = ConcurrencyLimiter(
             max_active=limits.max_concurrent_requests,
             max_queued=limits.max_queued_requests,

@@ -27,11 +27,12 @@ from backends.base import (
 from backends.errors import BackendConfigError, BackendUnavailableError, ServerOverloadedError
 from backends.worker import WorkerBackend
 from gateway.auth import KeyStore
-from gateway.config import InfermuxConfig
-from gateway.rate_limit import Admission
+from gateway.config import ConfigError, InfermuxConfig
+from gateway.rate_limit import Admission, KeyRateLimiter
 from gateway.response_store import ResponseStore
+from gateway.shared_rate_limit import SharedKeyRateLimiter
 from plugins.builtin.cost.plugin import resolve_ledger_path
-from plugins.shared_state import open_state
+from plugins.shared_state import StateConfigError, open_state
 
 if TYPE_CHECKING:
     from gateway.router import ModelRouter
@@ -112,8 +113,15 @@ class GatewayState:
         #: The Responses API's stored responses, in the ledger's SQLite file (opened on use).
         self.response_store = ResponseStore(resolve_ledger_path(config.cost))
         #: ``[state] backend = "redis"``: the per-key limits every replica shares.
-        self.shared_state = open_state(config.state)
-        self.admission = Admission(config.limits, config.auth.keys, state=self.shared_state)
+        try:
+            self.shared_state = open_state(config.state)
+        except StateConfigError as exc:
+            raise ConfigError(str(exc), key=exc.key) from exc
+        self.admission = Admission(
+            config.limits,
+            KeyRateLimiter(config.auth.keys) if self.shared_state is None
+            else SharedKeyRateLimiter(config.auth.keys, self.shared_state),
+        )
         self.started_at = int(time.time())
         #: This app's Prometheus registry (``GET /metrics``); plugins add to it through
         #: ``infermux_register_metrics``. Never the global one: apps may share a process.

@@ -27,7 +27,7 @@ from backends.errors import StateStoreUnavailableError
 if TYPE_CHECKING:
     from gateway.config import StateConfig
 
-__all__ = ["RedisState", "StateStoreDown", "open_state"]
+__all__ = ["RedisState", "StateConfigError", "StateStoreDown", "open_state"]
 
 logger = logging.getLogger("infermux.state")
 
@@ -122,25 +122,33 @@ class RedisState:
         await self._client.aclose()
 
 
+class StateConfigError(ValueError):
+    """``[state]`` names an environment variable that is unset or not a Redis URL; ``key``
+    is the config key (the gateway reports it as a config error)."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 def open_state(config: StateConfig, env: Mapping[str, str] = os.environ) -> RedisState | None:
     """The Redis store of ``[state]``, or None for ``backend = "memory"``.
 
     Nothing connects yet (the first request does), so a gateway starts while Redis is down
-    and applies ``on_unavailable`` until it is up. A missing variable is a config error."""
+    and applies ``on_unavailable`` until it is up. A missing variable is a
+    :class:`StateConfigError`."""
     if config.backend != "redis":
         return None
-    from gateway.config import ConfigError
-
     assert config.url_env is not None  # checked when the config was loaded
     url = env.get(config.url_env)
     if not url:
-        raise ConfigError(
+        raise StateConfigError(
             f"state.url_env: the environment variable {config.url_env!r} (the redis:// URL "
             "of the shared state store) is not set",
             key="state.url_env",
         )
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(
+        raise StateConfigError(
             f"state.url_env: ${config.url_env} must be a redis://, rediss:// or unix:// URL",
             key="state.url_env",
         )

@@ -192,10 +192,14 @@ def load_gguf_tokenizer(path: Path, metadata: Mapping[str, Any]) -> MLXTokenizer
     """The tokenizer stored in a GGUF file's metadata (``tokenizer.ggml.*``)."""
     eos = _gguf_end_of_generation_ids(metadata)
     if metadata.get("tokenizer.ggml.model") == "gpt2":
-        from core_engine.tokenizer import Tokenizer, TokenizerError, UnsupportedPreTokenizerError
+        from core_engine.tokenizer import (
+            TokenizerError,
+            UnsupportedPreTokenizerError,
+            tokenizer_from_gguf_metadata,
+        )
 
         try:
-            return GGUFBPETokenizer(Tokenizer.from_gguf_metadata(metadata), eos_token_ids=eos)
+            return GGUFBPETokenizer(tokenizer_from_gguf_metadata(metadata), eos_token_ids=eos)
         except (TokenizerError, UnsupportedPreTokenizerError) as exc:
             logger.info("%s: the core tokenizer cannot build this vocabulary (%s)", path.name, exc)
     from transformers import AutoTokenizer

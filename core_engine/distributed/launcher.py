@@ -63,7 +63,7 @@ def load_rank_model(config: EngineConfig, rank: int, world_size: int, port: int,
     """Join the group, load the GGUF and keep rank ``rank``'s shard, packed as ``config``
     says: (model, compute dtype, tokenizer)."""
     from core_engine.gguf_loader import load_model
-    from core_engine.llm_engine import pack_weights
+    from core_engine.weight_setup import pack_weights
 
     group = TensorParallelGroup(
         rank=rank, world_size=world_size, port=port, device=device, timeout_s=config.tensor_parallel_timeout_s

@@ -8,6 +8,7 @@ shared memory on one host (:mod:`~core_engine.kv_transfer.shm`), ZeroMQ over TCP
 (:mod:`~core_engine.kv_transfer.tcp`).
 """
 
+from core_engine.kv_transfer.opening import open_receiver, open_sender
 from core_engine.kv_transfer.payload import KVTransferMeta, PrefilledKV, kv_layout
 from core_engine.kv_transfer.transport import (
     KVReceiver,
@@ -15,8 +16,6 @@ from core_engine.kv_transfer.transport import (
     KVTransferConfig,
     KVTransferError,
     KVTransferTimeout,
-    open_receiver,
-    open_sender,
 )
 
 __all__ = [

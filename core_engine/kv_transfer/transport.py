@@ -33,8 +33,6 @@ __all__ = [
     "KVTransferConfig",
     "KVTransferError",
     "KVTransferTimeout",
-    "open_receiver",
-    "open_sender",
 ]
 
 
@@ -108,25 +106,3 @@ class KVReceiver(Protocol):
     def close(self) -> None:
         """Release the transport; transfers not received yet are dropped."""
         ...
-
-
-def open_sender(config: KVTransferConfig) -> KVSender:
-    """The prefill side of ``config``'s transport."""
-    if config.transport == "shm":
-        from core_engine.kv_transfer.shm import ShmKVSender
-
-        return ShmKVSender(config)
-    from core_engine.kv_transfer.tcp import TcpKVSender
-
-    return TcpKVSender(config)
-
-
-def open_receiver(config: KVTransferConfig) -> KVReceiver:
-    """The decode side of ``config``'s transport."""
-    if config.transport == "shm":
-        from core_engine.kv_transfer.shm import ShmKVReceiver
-
-        return ShmKVReceiver(config)
-    from core_engine.kv_transfer.tcp import TcpKVReceiver
-
-    return TcpKVReceiver(config)

@@ -113,22 +113,10 @@ class Tokenizer:
     # --- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """Build from GGUF key/values (``tokenizer.ggml.*``, ``tokenizer.chat_template``)."""
-        model = metadata.get("tokenizer.ggml.model")
-        if model == "llama":  # SentencePiece (Llama 2, Mistral, Gemma)
-            from core_engine.tokenizer.spm import SentencePieceTokenizer
-
-            return SentencePieceTokenizer.from_spm_metadata(metadata)
-        if model == "t5":  # SentencePiece unigram (T5, mT5)
-            from core_engine.tokenizer.unigram import UnigramTokenizer
-
-            return UnigramTokenizer.from_ugm_metadata(metadata)
-        if model != "gpt2":
-            raise TokenizerError(
-                f"tokenizer.ggml.model = {model!r} is not supported "
-                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece, 't5' SentencePiece unigram)"
-            )
+    def from_bpe_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build a byte-level BPE (``tokenizer.ggml.model = "gpt2"``) from GGUF key/values
+        (``tokenizer.ggml.*``, ``tokenizer.chat_template``); any vocabulary kind:
+        :func:`core_engine.tokenizer.gguf.tokenizer_from_gguf_metadata`."""
         tokens = metadata.get("tokenizer.ggml.tokens")
         merges = metadata.get("tokenizer.ggml.merges")
         if not tokens or merges is None:

@@ -20,7 +20,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.bench.client import RequestRecord
     from gateway.bench.config import (
         BenchConfig,
         Prices,
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
     )
     from gateway.bench.errors import BenchConfigError, BenchError
     from gateway.bench.metrics import RunSummary, Stats
+    from gateway.bench.record import RequestRecord
     from gateway.bench.report import format_report, write_json
     from gateway.bench.runner import BenchResult, Calibration, RunResult, run_benchmark
     from gateway.bench.workload import BenchPrompt, WorkloadSpec, build_workload

@@ -15,7 +15,7 @@ from gateway.bench.errors import BenchConfigError
 from gateway.bench.workload import DEFAULT_TOKENS_PER_WORD, WorkloadSpec, build_workload
 
 if TYPE_CHECKING:
-    from gateway.bench.client import RequestRecord
+    from gateway.bench.record import RequestRecord
 
 __all__ = [
     "BenchConfig",

@@ -15,7 +15,8 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from gateway.bench.client import BenchClient, RequestRecord
+from gateway.bench.client import BenchClient
+from gateway.bench.record import RequestRecord
 from gateway.bench.workload import BenchPrompt
 
 __all__ = ["Dispatch", "arrival_offsets", "run_block"]

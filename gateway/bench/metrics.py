@@ -21,8 +21,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from gateway.bench.client import RequestRecord
 from gateway.bench.config import Prices, Slo
+from gateway.bench.record import RequestRecord
 
 __all__ = ["RunSummary", "Stats", "summarise"]
 

@@ -19,11 +19,12 @@ import httpx
 import msgspec
 from tqdm import tqdm
 
-from gateway.bench.client import BenchClient, RequestRecord
+from gateway.bench.client import BenchClient
 from gateway.bench.config import BenchConfig
 from gateway.bench.errors import BenchError
 from gateway.bench.load import Dispatch, arrival_offsets, run_block
 from gateway.bench.metrics import RunSummary, summarise
+from gateway.bench.record import RequestRecord
 from gateway.bench.workload import (
     DEFAULT_TOKENS_PER_WORD,
     BenchPrompt,

@@ -14,6 +14,7 @@ from core_engine.tokenizer import (
     Tokenizer,
     TokenizerError,
     UnsupportedPreTokenizerError,
+    tokenizer_from_gguf_metadata,
 )
 from tests.core_engine.gguf_factory import TinyLlamaSpec, write_llama_gguf
 from tests.core_engine.tokenizer_corpus import CORPUS
@@ -134,7 +135,7 @@ def test_an_unsupported_tokenizer_model_is_refused_with_the_supported_ones() -> 
     with pytest.raises(
         TokenizerError, match=r"'bert' is not supported \(supported: 'gpt2' .*'llama' SentencePiece, 't5' SentencePiece unigram"
     ):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert"})
+        tokenizer_from_gguf_metadata({"tokenizer.ggml.model": "bert"})
 
 
 def test_every_backend_that_reads_a_vocabulary_stops_on_the_same_end_of_turn_texts() -> None:

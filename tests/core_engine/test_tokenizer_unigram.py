@@ -14,7 +14,7 @@ import gguf
 import pytest
 
 from core_engine.gguf_loader import GGUFFile
-from core_engine.tokenizer import Tokenizer, TokenizerError
+from core_engine.tokenizer import TokenizerError, tokenizer_from_gguf_metadata
 from core_engine.tokenizer.unigram import UnigramTokenizer
 from tests.core_engine.tokenizer_corpus import CORPUS
 
@@ -190,7 +190,7 @@ def test_unigram_ids_equal_sentencepiece_but_for_float32_ties(unigram_model: Pat
 
 def test_a_unigram_vocabulary_needs_an_unknown_token() -> None:
     with pytest.raises(TokenizerError, match="unknown"):
-        Tokenizer.from_gguf_metadata(
+        tokenizer_from_gguf_metadata(
             {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.scores": [0.0]}
         )
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from gateway.observability_config import CostConfig
+from plugins.builtin.cost.config import CostConfig
 from plugins.hookspecs import hookimpl
 from plugins.manager import create_plugin_manager
 

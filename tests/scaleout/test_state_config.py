@@ -10,7 +10,7 @@ import pytest
 from servers import REPO
 
 from gateway.config import ConfigError, config_from_dict
-from plugins.shared_state import open_state
+from plugins.shared_state import StateConfigError, open_state
 
 
 def test_redis_state_needs_url_env() -> None:
@@ -27,9 +27,10 @@ def test_unknown_state_backend_is_named() -> None:
 
 def test_the_url_variable_must_be_set_and_a_redis_url() -> None:
     state = config_from_dict({"state": {"backend": "redis", "url_env": "X_URL"}}).state
-    with pytest.raises(ConfigError, match="'X_URL'.*is not set"):
+    with pytest.raises(StateConfigError, match="'X_URL'.*is not set") as caught:
         open_state(state, {})
-    with pytest.raises(ConfigError, match=r"redis://"):
+    assert caught.value.key == "state.url_env"
+    with pytest.raises(StateConfigError, match=r"redis://"):
         open_state(state, {"X_URL": "http://127.0.0.1:6379"})
     assert open_state(config_from_dict({}).state, {}) is None
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from backends.base import Usage
-from gateway.observability_config import PriceConfig
+from plugins.builtin.cost.config import PriceConfig
 from plugins.builtin.cost.ledger import Ledger, LedgerError, UsageRecord
 from plugins.builtin.cost.pricing import PriceBook, ShareMeter
 from tests.telemetry.telemetry_util import Telemetry, make_config, mock

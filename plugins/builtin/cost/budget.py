@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 
 from backends.errors import BudgetExceededError
-from gateway.observability_config import BudgetConfig
+from plugins.builtin.cost.config import BudgetConfig
 
 __all__ = ["BudgetBook", "SpentSince", "budget_subject", "exhausted_message", "period_bounds"]
 

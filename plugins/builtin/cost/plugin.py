@@ -25,8 +25,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.observability_config import BudgetConfig, CostConfig
 from plugins.builtin.cost.budget import BudgetBook
+from plugins.builtin.cost.config import BudgetConfig, CostConfig
 from plugins.builtin.cost.ledger import Ledger, LedgerError, UsageLedger, UsageRecord
 from plugins.builtin.cost.pricing import PriceBook, ShareMeter
 from plugins.hookspecs import hookimpl

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 
 from backends.base import Usage
-from gateway.observability_config import PriceConfig
+from plugins.builtin.cost.config import PriceConfig
 
 __all__ = ["PriceBook", "ShareMeter"]
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from backends.errors import BudgetExceededError
-from gateway.observability_config import BudgetConfig
 from plugins.builtin.cost.budget import BudgetBook, SpentSince, exhausted_message, period_bounds
+from plugins.builtin.cost.config import BudgetConfig
 from plugins.shared_state import RedisState, StateStoreDown
 
 __all__ = ["SharedBudgetBook"]
