@@ -44,7 +44,14 @@ def _compile(kernel: Any, *, target: GPUTarget = HOPPER, num_warps: int = 4, **s
         else:
             signature[name] = spec.get(name, "*fp32" if name.endswith("_ptr") else "i32")
     source = ASTSource(kernel, signature, constexprs)
-    return triton.compile(source, target=target, options={"num_warps": num_warps})
+    compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
+    # What compiling proves: an entry point for this kernel in PTX for the asked GPU, and a
+    # cubin ptxas assembled from it.
+    ptx = compiled.asm["ptx"]
+    assert f".entry {kernel.__name__}" in ptx
+    assert f".target sm_{target.arch}" in ptx
+    assert len(compiled.asm["cubin"]) > 0
+    return compiled
 
 
 PAGED_CASES = {
