@@ -23,7 +23,6 @@ from core_engine.kernels.triton_ops import (  # noqa: E402
     paged_attention,
     rms_norm,
     rotary,
-    sampling,
     w4a16,
 )
 
@@ -176,22 +175,6 @@ def test_rotary_and_cache_write_kernels_compile() -> None:
         HEAD_DIM=128,
         HEAD_DIM_PAD=128,
         HEADS_PAD=8,
-    )
-
-
-def test_sampling_kernels_compile() -> None:
-    _compile(
-        sampling._greedy_sample_kernel,
-        token_ids_ptr="*i64",
-        logits_ptr="*bf16",
-        BLOCK_V=4096,
-    )
-    _compile(
-        sampling._filter_logits_kernel,
-        num_warps=8,
-        top_k_ptr="*i32",
-        BLOCK_V=1024,
-        NUM_PROBES=16,
     )
 
 
