@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -101,11 +102,26 @@ class OpenAICompatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     #: Reported by ``model_info()`` (the upstream's own limit still applies).
     context_length: int | None = None
     max_connections: int = 256
+    #: Check the upstream's certificate on ``https://`` (against ``ca_bundle`` when given,
+    #: else the system's trusted CAs).
     verify_tls: bool = True
+    #: Path of a PEM file of the CA certificates to trust for an ``https://`` upstream (a
+    #: private CA); replaces the default trust store.
+    ca_bundle: str | None = None
     #: ``native``: infermux's lean HTTP/1.1 client for ``http://`` upstreams (a fraction of
     #: httpx's CPU per streamed request); ``httpx``: httpx's client and default transport.
     #: ``https://`` always uses httpx.
     http_transport: Literal["native", "httpx"] = "native"
+
+
+def _tls_context(ca_bundle: str, param: str) -> ssl.SSLContext:
+    """A verifying client context that trusts the CAs of the PEM file ``ca_bundle``."""
+    try:
+        return ssl.create_default_context(cafile=ca_bundle)
+    except (OSError, ssl.SSLError) as exc:
+        raise BackendOptionError(
+            f"{param}: cannot load CA certificates from {ca_bundle!r}: {exc}"
+        ) from exc
 
 
 class _Events:
@@ -158,6 +174,18 @@ class OpenAICompatBackend:
                 f"{prefix}.headers: put the key in an environment variable and name it in "
                 f"{prefix}.api_key_env instead of an Authorization header"
             )
+        if self.options.ca_bundle is not None:
+            if url.scheme != "https":
+                raise BackendOptionError(
+                    f"{prefix}.ca_bundle: only an https:// base_url uses a CA bundle"
+                )
+            if not self.options.verify_tls:
+                raise BackendOptionError(
+                    f"{prefix}.ca_bundle: verify_tls = false would ignore it; drop one of them"
+                )
+            self._tls = _tls_context(self.options.ca_bundle, f"{prefix}.ca_bundle")
+        else:
+            self._tls = None
         # Structured outputs pass through: the upstream (vLLM, SGLang...) enforces and
         # validates them, and its 400 comes back to the client with its message.
         # Embeddings pass through to the upstream's /embeddings (``dimensions`` included:
@@ -215,8 +243,9 @@ class OpenAICompatBackend:
             write=config.connect_timeout,
             pool=config.first_byte_timeout,
         )
+        verify: ssl.SSLContext | bool = self._tls or self.options.verify_tls
         self._client = httpx.AsyncClient(
-            headers=headers, timeout=timeout, limits=limits, verify=self.options.verify_tls
+            headers=headers, timeout=timeout, limits=limits, verify=verify
         )
 
     def model_info(self) -> ModelInfo:

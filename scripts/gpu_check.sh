@@ -13,7 +13,9 @@
 #   PYTHON              the interpreter (default: python3)
 #   OUT                 where logs, junit XML and kernel_decode.json go (default: ./gpu_check_out)
 #   INFERMUX_WHEEL_DIR  wheels to install missing packages from, offline (default: ./.whl)
-# Exit status: 0 when the tests pass and the benchmark ran; 2 when torch/triton/CUDA are missing.
+# Exit status: 0 only when every kernel test ran and passed (none skipped) and every benchmark
+# section ran; 1 when a section failed or was skipped; 2 when torch/triton/CUDA or a package the
+# engine imports is missing.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -91,9 +93,10 @@ EOF
 
 step "project and light dependencies"
 ensure pytest || { echo "ERROR: pytest is missing and could not be installed"; exit 2; }
-# The engine section of the benchmark needs these; without them it reports itself skipped.
-for module in numpy msgspec gguf tqdm jinja2; do
-    ensure "$module" || echo "warning: $module unavailable: the end-to-end engine section may be skipped"
+# What core_engine imports at load (module[:pip name]): the project's dependencies it uses and
+# the `core` extra's regex; without one the engine section cannot run.
+for spec in numpy msgspec gguf tqdm jinja2 regex llguidance zmq:pyzmq; do
+    ensure "${spec%%:*}" "${spec#*:}" || { echo "ERROR: ${spec#*:} is missing and could not be installed"; exit 2; }
 done
 # An editable install without dependencies (PYTHONPATH above already covers a failure here).
 (cd /tmp && "$PY" -c "import core_engine" 2>/dev/null) \
@@ -106,6 +109,12 @@ timeout 200 "$PY" -m pytest tests/core_engine/kernels -q -p no:cacheprovider \
     --confcutdir=tests/core_engine/kernels --junitxml="$OUT_DIR/kernel_tests.xml" \
     2>&1 | tee "$OUT_DIR/kernel_tests.log"
 tests_rc=${PIPESTATUS[0]}
+# A skipped kernel test is a kernel not checked on this machine: the check fails.
+num_skipped=$("$PY" -c 'import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot(); print(sum(int(s.get("skipped", 0)) for s in r.iter("testsuite")))' "$OUT_DIR/kernel_tests.xml" 2>/dev/null || echo unknown)
+if [ "$tests_rc" -eq 0 ] && [ "$num_skipped" != 0 ]; then
+    echo "ERROR: $num_skipped kernel test(s) skipped (see $OUT_DIR/kernel_tests.log)"
+    tests_rc=1
+fi
 
 step "decode benchmark"
 timeout 150 "$PY" benchmarks/kernel_decode.py "${BENCH_ARGS[@]}" --json "$OUT_DIR/kernel_decode.json" \
@@ -114,6 +123,6 @@ bench_rc=${PIPESTATUS[0]}
 
 step "summary"
 echo "kernel tests: $([ "$tests_rc" -eq 0 ] && echo passed || echo "FAILED (exit $tests_rc)")"
-echo "benchmark:    $([ "$bench_rc" -eq 0 ] && echo ran || echo "FAILED (exit $bench_rc)")"
+echo "benchmark:    $([ "$bench_rc" -eq 0 ] && echo ran || echo "FAILED or a section skipped (exit $bench_rc)")"
 echo "results in $OUT_DIR"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -4,8 +4,10 @@ A real HTTP/1.1 server (plain asyncio streams, keep-alive, chunked SSE) in a bac
 thread with its own event loop, so sync and async tests of any scope can use it. Each
 request follows a :class:`Behaviour`: answer normally, stall before the headers or the first
 event, answer an error status (with ``Retry-After``), die or stall in the middle of the
-stream, or drop the connection without answering. A refused connection needs no server:
-:func:`closed_port_url`.
+stream, reset the connection (TCP RST) before the headers or mid-stream, or drop it without
+answering. A refused connection needs no server: :func:`closed_port_url`. With ``tls`` (a
+server :class:`TLSFiles`, e.g. from the ``test_ca`` fixture) it serves ``https://``, and
+:func:`backend_tls_options` gives the options an ``openai`` backend needs to trust it.
 
 Reuse it from any test (``tests/`` is on ``sys.path`` through ``tests/conftest.py``)::
 
@@ -28,6 +30,8 @@ import asyncio
 import collections
 import json
 import socket
+import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,9 +44,37 @@ __all__ = [
     "Behaviour",
     "ReceivedRequest",
     "UpstreamServer",
+    "TLSFiles",
+    "backend_tls_options",
     "closed_port_url",
+    "test_ca",
     "upstream_servers",
 ]
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """A server certificate for 127.0.0.1 and the CA that signed it (PEM files)."""
+
+    ca_bundle: str  # the CA certificate: what a client must trust
+    cert_chain: str  # the server's certificate chain
+    private_key: str
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert_chain, self.private_key)
+        return context
+
+
+#: base_url -> the CA bundle of the TLS server listening there (see backend_tls_options).
+_CA_BUNDLES: dict[str, str] = {}
+
+
+def backend_tls_options(base_url: str) -> dict[str, str]:
+    """``{"ca_bundle": ...}`` for the base URL of a TLS :class:`UpstreamServer`, else ``{}``."""
+    bundle = _CA_BUNDLES.get(base_url)
+    return {"ca_bundle": bundle} if bundle is not None else {}
+
 
 Mode = Literal[
     "ok",  # stream (or answer) the reply
@@ -52,6 +84,8 @@ Mode = Literal[
     "die_mid_stream",  # send `after_chunks` content events, then drop the connection
     "stall_mid_stream",  # send `after_chunks` content events, then nothing
     "close_without_response",  # read the request, close the connection
+    "reset_before_headers",  # read the request, reset the connection (TCP RST)
+    "reset_mid_stream",  # send `after_chunks` content events, then reset the connection
 ]
 
 
@@ -114,8 +148,15 @@ def closed_port_url() -> str:
 class UpstreamServer:
     """The server; see the module docstring. Start with ``with`` or :meth:`start`."""
 
-    def __init__(self, behaviour: Behaviour | None = None, *, name: str = "upstream") -> None:
+    def __init__(
+        self,
+        behaviour: Behaviour | None = None,
+        *,
+        name: str = "upstream",
+        tls: TLSFiles | None = None,
+    ) -> None:
         self.name = name
+        self.tls = tls
         #: Used for every request once the script (:meth:`script`) is exhausted.
         self.behaviour = behaviour or Behaviour()
         self._script: collections.deque[Behaviour] = collections.deque()
@@ -134,9 +175,9 @@ class UpstreamServer:
 
     @property
     def base_url(self) -> str:
-        """The OpenAI API root: ``http://127.0.0.1:PORT/v1``."""
+        """The OpenAI API root: ``http://127.0.0.1:PORT/v1`` (``https://`` with TLS)."""
         assert self.port is not None, "start the server first"
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}/v1"
 
     def script(self, *behaviours: Behaviour) -> None:
         """Behaviours for the next requests, one each, before falling back to ``behaviour``."""
@@ -172,8 +213,9 @@ class UpstreamServer:
             loop = asyncio.new_event_loop()
             self._loop = loop
             try:
+                context = self.tls.server_context() if self.tls is not None else None
                 self._server = loop.run_until_complete(
-                    asyncio.start_server(self._handle, "127.0.0.1", 0)
+                    asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=context)
                 )
                 self.port = self._server.sockets[0].getsockname()[1]
             except BaseException as exc:  # surfaced to the starting thread
@@ -190,6 +232,8 @@ class UpstreamServer:
         ready.wait()
         if errors:
             raise errors[0]
+        if self.tls is not None:
+            _CA_BUNDLES[self.base_url] = self.tls.ca_bundle
         return self
 
     def stop(self) -> None:
@@ -200,6 +244,8 @@ class UpstreamServer:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         self._loop = self._thread = None
+        if self.port is not None:
+            _CA_BUNDLES.pop(self.base_url, None)
 
     def __enter__(self) -> UpstreamServer:
         return self.start()
@@ -271,6 +317,10 @@ class UpstreamServer:
         if behaviour.mode == "close_without_response":
             request.outcome = "dropped"
             return False
+        if behaviour.mode == "reset_before_headers":
+            request.outcome = "dropped"
+            _reset(writer)
+            return False
         if behaviour.mode == "stall_before_headers":
             await self._stall(request, reader, behaviour)
             return False
@@ -319,6 +369,10 @@ class UpstreamServer:
                     request.outcome = "dropped"
                     writer.transport.abort()  # no terminating chunk: the body is cut short
                     return False
+                if index == behaviour.after_chunks and behaviour.mode == "reset_mid_stream":
+                    request.outcome = "dropped"
+                    _reset(writer)
+                    return False
                 if index == behaviour.after_chunks and behaviour.mode == "stall_mid_stream":
                     await self._stall(request, reader, behaviour)
                     return False
@@ -342,8 +396,11 @@ class UpstreamServer:
         """Send nothing until the client disconnects (counted) or ``stall_s`` passes."""
         try:
             data = await asyncio.wait_for(reader.read(1), behaviour.stall_s)
-        except (TimeoutError, ConnectionError):
+        except TimeoutError:
             data = b"?"
+        except (ConnectionError, ssl.SSLError):
+            # A reset, or (over TLS) a close without close_notify: the client went away too.
+            data = b""
         if data == b"":
             request.outcome = "disconnected"
             self.num_disconnects += 1
@@ -472,6 +529,13 @@ class _Answer:
         return body
 
 
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close the connection with a TCP RST (no TLS close_notify, no FIN)."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
 def _error_body(
     message: str, error_type: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -530,13 +594,35 @@ _REASONS = {
 }
 
 
+@pytest.fixture(scope="session")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    """A throwaway CA (``trustme``) and a certificate it signed for 127.0.0.1, as PEM files."""
+    trustme = pytest.importorskip("trustme", reason="the dev extra installs trustme")
+    folder = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    files = TLSFiles(
+        ca_bundle=str(folder / "ca.pem"),
+        cert_chain=str(folder / "server.pem"),
+        private_key=str(folder / "server.key"),
+    )
+    ca.cert_pem.write_to_path(files.ca_bundle)
+    cert.cert_chain_pems[0].write_to_path(files.cert_chain)
+    for pem in cert.cert_chain_pems[1:]:
+        pem.write_to_path(files.cert_chain, append=True)
+    cert.private_key_pem.write_to_path(files.private_key)
+    return files
+
+
 @pytest.fixture
 def upstream_servers() -> Iterator[Callable[..., UpstreamServer]]:
     """Factory fixture: ``upstream_servers(Behaviour(...), name="a")`` -> a started server."""
     started: list[UpstreamServer] = []
 
-    def start(behaviour: Behaviour | None = None, *, name: str = "upstream") -> UpstreamServer:
-        server = UpstreamServer(behaviour, name=name).start()
+    def start(
+        behaviour: Behaviour | None = None, *, name: str = "upstream", tls: TLSFiles | None = None
+    ) -> UpstreamServer:
+        server = UpstreamServer(behaviour, name=name, tls=tls).start()
         started.append(server)
         return server
 

@@ -10,8 +10,6 @@ dispatches per call (see :mod:`core_engine.kernels.dispatch`).
 :func:`rms_norm`                  RMSNorm
 :func:`fused_add_rms_norm`        residual add + RMSNorm in one pass
 :func:`apply_rotary_embedding`    RoPE on q and k (NeoX or interleaved pairs)
-:func:`greedy_sample`             argmax token and its logprob in one pass
-:func:`filter_logits`             temperature, top-k, top-p and min-p masking, no sort
 :func:`w4a16_matmul`              ``x @ W^T`` for int4 (Q4_1-block) W, fp32 sums
 :func:`unpack_int4`               the fp32 matrix an int4 weight encodes
 ================================  =====================================================
@@ -38,12 +36,6 @@ from core_engine.kernels.rotary import (
     apply_rotary_embedding_reference,
     rotary_cos_sin,
 )
-from core_engine.kernels.sampling import (
-    filter_logits,
-    filter_logits_reference,
-    greedy_sample,
-    greedy_sample_reference,
-)
 from core_engine.kernels.w4a16 import (
     check_w4a16_args,
     unpack_int4,
@@ -55,12 +47,8 @@ __all__ = [
     "apply_rotary_embedding",
     "apply_rotary_embedding_reference",
     "check_w4a16_args",
-    "filter_logits",
-    "filter_logits_reference",
     "fused_add_rms_norm",
     "fused_add_rms_norm_reference",
-    "greedy_sample",
-    "greedy_sample_reference",
     "interpreter_enabled",
     "paged_attention_decode",
     "paged_attention_decode_reference",

@@ -24,6 +24,7 @@ from core_engine.attention import AttentionContext
 from core_engine.model.architectures import Architecture
 from core_engine.model.config import LlamaConfig
 from core_engine.model.llama import LlamaDecoderLayer, layer_weight
+from core_engine.model.norm import rms_norm
 
 __all__ = ["ARCHITECTURE", "GemmaDecoderLayer", "gemma_hf_hparams", "local_layers"]
 
@@ -46,14 +47,14 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         qkv = self.qkv_heads(x, cos, sin)
         out = attn.forward(layer_idx, qkv[:, :h], qkv[:, h:hk], qkv[:, hk:], self.attention_spec)
         out = self.o(out.reshape(x.shape[0], self.q_size))  # (T, hidden)
-        x = x + F.rms_norm(out, (x.shape[-1],), self.post_attn_norm, self.rms_eps)
+        x = x + rms_norm(out, self.post_attn_norm, self.rms_eps)
         return self.feed_forward(x)
 
     def feed_forward(self, x: Tensor) -> Tensor:
         """``x + post_ffn_norm(down(gelu_tanh(gate) * up))`` of the normed ``x`` (T, hidden)."""
         gate, up = self.gate_up.normed(x, self.ffn_norm, self.rms_eps).chunk(2, dim=-1)  # (T, inter) each
         out = self.down(self.activation(gate) * up)  # (T, hidden)
-        return x + F.rms_norm(out, (x.shape[-1],), self.post_ffn_norm, self.rms_eps)
+        return x + rms_norm(out, self.post_ffn_norm, self.rms_eps)
 
 
 def local_layers(pattern: int | Sequence[bool], num_layers: int) -> tuple[int, ...]:

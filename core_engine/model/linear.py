@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core_engine.model.formats import WEIGHT_FORMATS, auto_weight_format
+from core_engine.model.norm import rms_norm
 
 __all__ = [
     "WEIGHT_FORMATS",
@@ -81,7 +82,7 @@ class _Product:
 
     def normed(self, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
         """``self(rms_norm(x) * norm_weight)``."""
-        return self(F.rms_norm(x, (x.shape[-1],), norm_weight, eps))
+        return self(rms_norm(x, norm_weight, eps))
 
     def swiglu_add_to(self, residual: Tensor, gate_up: Tensor) -> Tensor:
         """``residual + self(silu(gate) * up)`` for ``gate_up = gate | up`` (T, 2 * in)."""

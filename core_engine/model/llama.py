@@ -30,6 +30,7 @@ from core_engine.model.linear import (
     make_linear,
     resolve_weight_format,
 )
+from core_engine.model.norm import rms_norm
 from core_engine.model.rope import RotaryEmbedding
 
 __all__ = ["ARCHITECTURE", "LlamaDecoderLayer", "LlamaModel", "layer_attention", "layer_weight"]
@@ -371,7 +372,7 @@ class LlamaModel(nn.Module):
 
     def final_norm(self, x: Tensor) -> Tensor:
         """(N, hidden) final residual rows -> the normalised rows the LM head reads."""
-        return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_eps)
+        return rms_norm(x, self.norm, self.config.rms_eps)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """(T,) token ids -> (T, hidden) rows of the embedding table (scaled where the

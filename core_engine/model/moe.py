@@ -19,6 +19,7 @@ from torch import Tensor
 from core_engine.model.config import LlamaConfig
 from core_engine.model.linear import DenseLinear, ExpertsLinear
 from core_engine.model.llama import LlamaDecoderLayer, layer_weight
+from core_engine.model.norm import rms_norm
 from core_engine.model.qwen3 import QKNormDecoderLayer
 
 __all__ = ["MoEDecoderLayer", "QKNormMoEDecoderLayer", "moe_feed_forward"]
@@ -78,7 +79,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
                 "experts_gate_up": (self.experts_gate_up_proj, None), "experts_down": (self.experts_down_proj, None)}
 
     def feed_forward(self, x: Tensor) -> Tensor:
-        h = F.rms_norm(x, (x.shape[-1],), self.ffn_norm, self.rms_eps)
+        h = rms_norm(x, self.ffn_norm, self.rms_eps)
         return x + moe_feed_forward(h, self.router, self.experts_gate_up, self.experts_down, top_k=self.top_k)
 
     def other_weight_bytes(self) -> int:

@@ -5,12 +5,12 @@ bias, NeoX RoPE (q/k rows in Hugging Face's order) and ``head_dim`` from the fil
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from core_engine.model.architectures import Architecture
 from core_engine.model.config import LlamaConfig
 from core_engine.model.llama import LlamaDecoderLayer, layer_weight
+from core_engine.model.norm import rms_norm
 from core_engine.model.rope import apply_rotary
 
 __all__ = ["ARCHITECTURE", "QKNormDecoderLayer"]
@@ -29,6 +29,6 @@ class QKNormDecoderLayer(LlamaDecoderLayer):
     def qkv_heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv.normed(x, self.attn_norm, self.rms_eps).view(x.shape[0], -1, d)
-        q = apply_rotary(F.rms_norm(qkv[:, :h], (d,), self.q_norm, self.rms_eps), cos, sin)
-        k = apply_rotary(F.rms_norm(qkv[:, h : h + kv], (d,), self.k_norm, self.rms_eps), cos, sin)
+        q = apply_rotary(rms_norm(qkv[:, :h], self.q_norm, self.rms_eps), cos, sin)
+        k = apply_rotary(rms_norm(qkv[:, h : h + kv], self.k_norm, self.rms_eps), cos, sin)
         return torch.cat((q, k, qkv[:, h + kv :]), dim=1)

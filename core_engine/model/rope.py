@@ -9,6 +9,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from core_engine.kernels.dispatch import use_triton
 from core_engine.model.config import LlamaConfig
 
 __all__ = ["RotaryEmbedding", "apply_rotary", "llama3_freq_factors", "longrope_attention_factor", "longrope_freq_factors"]
@@ -59,9 +60,29 @@ def longrope_attention_factor(factor: float, original_context: int) -> float:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs ``(i, i + D/2)`` of ``x`` (T, n, D) by the angles whose cos/sin are (T, 1, D/2)."""
+    """Rotate pairs ``(i, i + D/2)`` of ``x`` (T, n, D) by the angles whose cos/sin are (T, 1, D/2).
+
+    Where the kernel dispatcher picks Triton (CUDA), the rotary kernel does it in one launch,
+    in fp32 rounded once; elsewhere the torch formula below, in x's dtype, as before."""
+    if x.shape[1] >= 2 and use_triton(x.device):
+        return _apply_rotary_triton(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)  # (T, n, D/2) each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, n, D)
+
+
+def _apply_rotary_triton(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # The kernel rotates a q and a k by positions into full tables; here the tables are the
+    # rows already looked up (T, D/2), token t reads row t, and x's heads split into q and k.
+    from core_engine.kernels.rotary import apply_rotary_embedding
+
+    out = x.contiguous().clone()  # (T, n, D)
+    split = (out.shape[1] + 1) // 2
+    rows = torch.arange(out.shape[0], device=out.device)  # (T,)
+    cos_rows, sin_rows = cos.reshape(out.shape[0], -1), sin.reshape(out.shape[0], -1)  # (T, D/2)
+    apply_rotary_embedding(
+        out[:, :split], out[:, split:], rows, cos_rows.contiguous(), sin_rows.contiguous(), inplace=True
+    )
+    return out
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,7 +1,8 @@
 """The streaming client: sends one workload prompt to an endpoint and times its stream.
 
 Every request streams (``stream: true`` with ``stream_options.include_usage``) and is timed with
-``time.perf_counter`` from the moment it is handed to httpx:
+the client's clock (``time.perf_counter`` unless the caller gives another, as the tests do with a
+virtual clock their fake server advances) from the moment it is handed to httpx:
 
 - TTFT: until the first chunk whose content is non-empty (role-only and empty deltas do not
   count; reasoning content does).
@@ -18,6 +19,7 @@ server does not), ``output_tokens`` falls back to the number of content chunks a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -82,8 +84,10 @@ class BenchClient:
         ignore_eos: bool = False,
         temperature: float | None = 0.0,
         extra_body: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.target = target
+        self.clock = clock  # seconds; read at the start, at each content chunk and at the end
         self.endpoint = endpoint
         self.url = endpoint_url(target.url, endpoint)
         self.model = target.model
@@ -149,7 +153,7 @@ class BenchClient:
         body = self._body(prompt, stream=True, max_tokens=prompt.output_len)
         record.input_len = prompt.input_len
         record.output_len = prompt.output_len
-        start = time.perf_counter()
+        start = self.clock()
         first: float | None = None
         last = start
         itl: list[float] = []
@@ -182,7 +186,7 @@ class BenchClient:
                     text = _chunk_text(chunk)
                     if not text:
                         continue
-                    now = time.perf_counter()
+                    now = self.clock()
                     if first is None:
                         first = now
                     else:
@@ -191,7 +195,7 @@ class BenchClient:
                     record.num_chunks += 1
                     num_chars += len(text)
                 # The end of the answer, before closing the connection.
-                end = time.perf_counter()
+                end = self.clock()
         except httpx.HTTPError as exc:
             record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         except msgspec.DecodeError as exc:

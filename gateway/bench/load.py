@@ -50,9 +50,10 @@ async def run_block(
     request_rate: float | None,
     run_start: float,
     on_done: Callable[[RequestRecord], None],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[list[RequestRecord], dict[str, float]]:
     """Send ``dispatches`` on their schedule; the records and each target's busy seconds."""
-    block_start = time.perf_counter()
+    block_start = clock()
     slots = {
         label: asyncio.Semaphore(concurrency) if concurrency is not None else None
         for label in clients
@@ -60,15 +61,15 @@ async def run_block(
     last_end: dict[str, float] = {}
 
     async def one(index: int, label: str, offset: float) -> RequestRecord:
-        delay = block_start + offset - time.perf_counter()
+        delay = block_start + offset - clock()
         if delay > 0:
             await asyncio.sleep(delay)
-        arrived = time.perf_counter()
+        arrived = clock()
         slot = slots[label]
         if slot is not None:
             await slot.acquire()
         try:
-            sent = time.perf_counter()
+            sent = clock()
             record = RequestRecord(
                 index=index,
                 target=label,
@@ -81,7 +82,7 @@ async def run_block(
         finally:
             if slot is not None:
                 slot.release()
-        last_end[label] = max(last_end.get(label, 0.0), time.perf_counter())
+        last_end[label] = max(last_end.get(label, 0.0), clock())
         on_done(record)
         return record
 

@@ -13,6 +13,7 @@ import datetime as dt
 import random
 import sys
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import httpx
@@ -130,8 +131,12 @@ def _dispatch_plan(
     return blocks
 
 
-async def run_benchmark(config: BenchConfig) -> BenchResult:
-    """Run the benchmark ``config`` describes and return every record and summary."""
+async def run_benchmark(
+    config: BenchConfig, *, clock: Callable[[], float] = time.perf_counter
+) -> BenchResult:
+    """Run the benchmark ``config`` describes and return every record and summary.
+
+    ``clock`` (seconds) times requests, arrivals and runs; tests give a virtual one."""
     config.validate()
     started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     clients = {
@@ -142,6 +147,7 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
             ignore_eos=config.ignore_eos,
             temperature=config.temperature,
             extra_body=config.extra_body,
+            clock=clock,
         )
         for target in config.targets
     }
@@ -176,7 +182,7 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
                         queued_ms=0.0,
                     ),
                 )
-        runs = await _run_rates(config, clients, prompts, calibration)
+        runs = await _run_rates(config, clients, prompts, calibration, clock)
     finally:
         for client in clients.values():
             await client.aclose()
@@ -188,6 +194,7 @@ async def _run_rates(
     clients: dict[str, BenchClient],
     prompts: list[BenchPrompt],
     calibration: Calibration,
+    clock: Callable[[], float],
 ) -> list[RunResult]:
     labels = list(clients)
     total = len(config.request_rates) * len(labels) * len(prompts)
@@ -209,7 +216,7 @@ async def _run_rates(
             offsets = arrival_offsets(len(prompts), rate, config.burstiness, config.seed)
             records: dict[str, list[RequestRecord]] = {label: [] for label in labels}
             busy_s = dict.fromkeys(labels, 0.0)
-            run_start = time.perf_counter()
+            run_start = clock()
             for block in _dispatch_plan(config, labels, offsets):
                 block_records, block_busy = await run_block(
                     block,
@@ -219,6 +226,7 @@ async def _run_rates(
                     request_rate=rate,
                     run_start=run_start,
                     on_done=on_done,
+                    clock=clock,
                 )
                 for record in block_records:
                     records[record.target].append(record)

@@ -4,6 +4,11 @@ Each server is a small ASGI app under a real uvicorn in a thread. A streamed req
 empty role chunk at once (which must not count as the first token), its first content token
 ``ttft_s`` later, then one token every ``gap_s``, scheduled on absolute times so sleeps do not
 accumulate drift. Every ``slow_every``-th streamed request waits ``slow_ttft_s`` instead.
+
+With a :class:`VirtualClock` the server does not sleep: it moves the clock to each token's
+time, sends the token and waits until the client has read the clock, so a benchmark run with
+that clock measures exactly the injected delays, however loaded the machine is (one stream at
+a time: the clock is shared).
 """
 
 from __future__ import annotations
@@ -16,9 +21,45 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import uvicorn
 
 from gateway.bench import BenchConfig, Target, WorkloadSpec
+
+
+class VirtualClock:
+    """Seconds that pass only when the fake server says so; the benchmark's ``clock``.
+
+    The server moves the clock to a token's time, sends the token, and waits until the client
+    has read the clock again (which it does once per content chunk), so a reading always
+    belongs to the token just received."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._num_reads = 0
+        self._reads_at_move = 0
+        self._changed = threading.Condition()
+
+    def __call__(self) -> float:
+        with self._changed:
+            self._num_reads += 1
+            self._changed.notify_all()
+            return self._now
+
+    def now(self) -> float:
+        """The time, without counting as the client's reading."""
+        with self._changed:
+            return self._now
+
+    def move_to(self, when: float) -> None:
+        with self._changed:
+            self._now = max(self._now, when)
+            self._reads_at_move = self._num_reads
+
+    def wait_for_reading(self, timeout_s: float = 30.0) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._num_reads > self._reads_at_move, timeout_s):
+                raise TimeoutError("the client never read the clock after a token")
 
 
 def word_tokens(text: str) -> int:
@@ -43,9 +84,13 @@ class Behaviour:
     tokenize: Callable[[str], int] = word_tokens
     overhead_per_message: int = 3  # stand-in chat template tokens
     model: str = "fake-model"
+    clock: VirtualClock | None = None  # None: real time and real sleeps
     # Filled in by the server:
     num_streamed: int = 0
-    intervals: list[tuple[float, float]] = field(default_factory=list)  # (start, end) perf_counter
+    # (start, end) of each stream, perf_counter or the virtual clock
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+    num_in_flight: int = 0
+    max_in_flight: int = 0  # the most streams the server served at once
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -109,7 +154,8 @@ class FakeOpenAI:
         if not request.get("stream"):
             await self._json(send, 200, {"choices": [], "usage": self._usage(request, 1)})
             return
-        start = time.perf_counter()
+        clock = b.clock
+        start = clock.now() if clock is not None else time.perf_counter()
         b.num_streamed += 1
         number = b.num_streamed
         b.bodies.append(request)
@@ -117,6 +163,18 @@ class FakeOpenAI:
             await self._json(send, 500, {"error": {"message": "injected failure"}})
             return
         ttft = b.slow_ttft_s if b.slow_every and number % b.slow_every == 0 else b.ttft_s
+        b.num_in_flight += 1
+        b.max_in_flight = max(b.max_in_flight, b.num_in_flight)
+        try:
+            await self._stream(send, request, chat=chat, start=start, ttft=ttft)
+        finally:
+            b.num_in_flight -= 1
+
+    async def _stream(
+        self, send: Any, request: dict[str, Any], *, chat: bool, start: float, ttft: float
+    ) -> None:
+        b = self.behaviour
+        clock = b.clock
         num_tokens = int(request["max_tokens"])
         headers = [(b"content-type", b"text/event-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -141,20 +199,24 @@ class FakeOpenAI:
             if index == b.truncate_after:
                 await send({"type": "http.response.body", "body": b""})
                 return
-            delay = start + ttft + index * b.gap_s - time.perf_counter()
-            if delay > 0:
+            when = start + ttft + index * b.gap_s
+            if clock is not None:
+                clock.move_to(when)
+            elif (delay := when - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
             if chat:
                 await event({"choices": [{"index": 0, "delta": {"content": " tok"}}]})
             else:
                 await event({"choices": [{"index": 0, "text": " tok"}]})
+            if clock is not None:
+                await asyncio.to_thread(clock.wait_for_reading)
         finish = {"index": 0, "finish_reason": "length"}
         await event({"choices": [{**finish, "delta": {}} if chat else {**finish, "text": ""}]})
         if b.report_usage and (request.get("stream_options") or {}).get("include_usage"):
             await event({"choices": [], "usage": self._usage(request, num_tokens)})
         await event("[DONE]")
         await send({"type": "http.response.body", "body": b""})
-        b.intervals.append((start, time.perf_counter()))
+        b.intervals.append((start, clock.now() if clock is not None else time.perf_counter()))
 
 
 class ServerThread:
@@ -192,16 +254,10 @@ def bench_config(url: str, **overrides: object) -> BenchConfig:
     return BenchConfig(**settings)  # type: ignore[arg-type]
 
 
-def assert_latency(
-    measured_ms: float | None,
-    injected_ms: float,
-    *,
-    below_ms: float = 10.0,
-    above_ms: float = 100.0,
-) -> None:
-    """``measured_ms`` matches a server's injected delay: a loaded machine only adds time, so
-    the window is tight below (timer and scheduling jitter) and generous above."""
+def assert_latency(measured_ms: float | None, injected_ms: float) -> None:
+    """``measured_ms`` is the injected delay: under a :class:`VirtualClock` the measurement is
+    exact, so only float rounding is allowed."""
     assert measured_ms is not None
-    assert injected_ms - below_ms <= measured_ms <= injected_ms + above_ms, (
-        f"measured {measured_ms:.1f} ms for an injected {injected_ms:.1f} ms"
+    assert measured_ms == pytest.approx(injected_ms, abs=1e-6), (
+        f"measured {measured_ms} ms for an injected {injected_ms} ms"
     )

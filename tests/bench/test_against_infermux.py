@@ -13,8 +13,6 @@ import pytest
 from gateway.bench import BenchConfig, Target, WorkloadSpec, run_benchmark
 from gateway.testing import gateway_config, mock_backend
 
-from .fake_server import assert_latency
-
 
 async def test_compare_two_pinned_backends_of_one_gateway(
     live_gateway: Callable[..., AbstractContextManager[Any]],
@@ -45,13 +43,15 @@ async def test_compare_two_pinned_backends_of_one_gateway(
     assert result.calibration.tokens_per_word == pytest.approx(1.0)
     slow, fast = result.run_for("A", None), result.run_for("B", None)
     assert slow.model == fast.model == "echo"
-    for run, ttft, gap in ((slow, 180, 30), (fast, 40, 10)):
+    # Real time through a real gateway: the figures are compared, never held to a window (the
+    # exact definitions are tested on a virtual clock in test_timing.py).
+    assert slow.summary.ttft_ms.p50 > fast.summary.ttft_ms.p50
+    assert slow.summary.tpot_ms.p50 > fast.summary.tpot_ms.p50
+    for run in (slow, fast):
         summary = run.summary
         assert summary.num_completed == 6 and summary.usage_reported_fraction == 1.0
         assert summary.mean_output_tokens == 8
-        assert_latency(summary.ttft_ms.p50, ttft)
-        assert_latency(summary.itl_ms.mean, gap, below_ms=15, above_ms=40)
-        assert_latency(summary.tpot_ms.p50, gap, below_ms=15, above_ms=40)
+        assert summary.itl_ms.count == 6 * 7
         assert summary.cache_hit_rate == 0.0  # infermux reports cached_tokens (0 for the mock)
         for record in run.records:
             assert record.prompt_tokens == record.input_len  # 40 words = 40 mock tokens

@@ -1,8 +1,8 @@
 """The tool measures what a server really does: injected TTFT, gaps, slow requests, failures.
 
-A loaded machine only adds time, so each figure must lie within a few milliseconds below the
-injected delay and up to 100 ms above it (see ``assert_latency``): these check the
-measurement's definitions, not anyone's speed.
+The timed runs use a :class:`VirtualClock` the fake server advances, so each figure must equal
+the injected delay exactly (see ``assert_latency``): these check the measurement's definitions,
+not anyone's speed, and a loaded machine cannot change them.
 """
 
 from __future__ import annotations
@@ -19,19 +19,29 @@ from gateway.bench import (
     run_benchmark,
 )
 
-from .fake_server import Behaviour, FakeOpenAI, ServerThread, assert_latency, bench_config
+from .fake_server import (
+    Behaviour,
+    FakeOpenAI,
+    ServerThread,
+    VirtualClock,
+    assert_latency,
+    bench_config,
+)
 
 
 @pytest.fixture(scope="module")
 def timed_run() -> Iterator[BenchResult]:
     """10 requests of 10 tokens; first token after 200 ms, then one every 20 ms; every 5th
-    request waits 600 ms for its first token; goodput SLO: TTFT <= 400 ms. Run once."""
+    request waits 600 ms for its first token; goodput SLO: TTFT <= 400 ms. Run once, one
+    request at a time on a virtual clock."""
+    clock = VirtualClock()
     server = ServerThread(
-        FakeOpenAI(Behaviour(ttft_s=0.2, gap_s=0.02, slow_every=5, slow_ttft_s=0.6))
+        FakeOpenAI(Behaviour(ttft_s=0.2, gap_s=0.02, slow_every=5, slow_ttft_s=0.6, clock=clock))
     )
     url = server.start()
     try:
-        yield asyncio.run(run_benchmark(bench_config(url, slo=parse_slo("ttft=400ms"))))
+        config = bench_config(url, concurrency=1, slo=parse_slo("ttft=400ms"))
+        yield asyncio.run(run_benchmark(config, clock=clock))
     finally:
         server.stop()
 
@@ -39,12 +49,9 @@ def timed_run() -> Iterator[BenchResult]:
 async def test_ttft_ignores_the_empty_role_chunk_and_matches_the_injected_delay(
     timed_run: BenchResult,
 ) -> None:
-    # Which requests the server made slow depends on arrival order: compare sorted values.
-    ttfts = sorted(r.ttft_ms or 0.0 for r in timed_run.runs[0].records)
-    for ttft in ttfts[:8]:
-        assert_latency(ttft, 200)
-    for ttft in ttfts[8:]:
-        assert_latency(ttft, 600)
+    # One at a time: the server made the 5th and the 10th request slow.
+    for record in timed_run.runs[0].records:
+        assert_latency(record.ttft_ms, 600 if record.index in (4, 9) else 200)
 
 
 async def test_itl_and_tpot_match_the_injected_gap(timed_run: BenchResult) -> None:
@@ -52,12 +59,14 @@ async def test_itl_and_tpot_match_the_injected_gap(timed_run: BenchResult) -> No
     for record in timed_run.runs[0].records:
         assert len(record.itl_ms) == 9  # 10 tokens, 9 gaps
         assert record.output_tokens == 10
-        assert_latency(record.tpot_ms, 20, below_ms=15, above_ms=40)
+        assert record.itl_ms == pytest.approx([20.0] * 9)
+        assert_latency(record.tpot_ms, 20)
     assert summary.itl_ms.count == 90
-    assert_latency(summary.itl_ms.mean, 20, below_ms=15, above_ms=40)
-    assert_latency(summary.tpot_ms.p50, 20, below_ms=15, above_ms=40)
+    assert_latency(summary.itl_ms.mean, 20)
+    assert_latency(summary.tpot_ms.p50, 20)
     # E2E = TTFT + 9 gaps.
     assert_latency(summary.e2e_ms.p50, 380)
+    assert_latency(summary.e2e_ms.max, 780)
 
 
 async def test_percentiles_reflect_the_slow_requests(timed_run: BenchResult) -> None:
@@ -73,6 +82,7 @@ async def test_percentiles_reflect_the_slow_requests(timed_run: BenchResult) -> 
 async def test_goodput_counts_only_requests_within_the_slo(timed_run: BenchResult) -> None:
     summary = timed_run.runs[0].summary
     assert summary.slo_attainment == pytest.approx(0.8)
+    assert summary.duration_s == pytest.approx(8 * 0.38 + 2 * 0.78)  # back to back, virtual
     assert summary.goodput == pytest.approx(8 / summary.duration_s)
     assert summary.request_throughput == pytest.approx(10 / summary.duration_s)
     assert summary.output_throughput == pytest.approx(100 / summary.duration_s)
@@ -81,20 +91,20 @@ async def test_goodput_counts_only_requests_within_the_slo(timed_run: BenchResul
 async def test_concurrency_limit_and_rate_shape_the_run(
     fake_server: Callable[[Behaviour], str],
 ) -> None:
-    behaviour = Behaviour(ttft_s=0.1, gap_s=0.0)
+    clock = VirtualClock()
+    behaviour = Behaviour(ttft_s=0.1, gap_s=0.0, clock=clock)
     url = fake_server(behaviour)
     result = await run_benchmark(
         bench_config(
             url,
             concurrency=1,
             workload=WorkloadSpec(name="fixed", num_requests=4, input_len=16, output_len=2),
-        )
+        ),
+        clock=clock,
     )
-    # One at a time: each request starts after the previous one ended.
-    starts = sorted(start for start, _ in behaviour.intervals)
-    ends = sorted(end for _, end in behaviour.intervals)
-    assert all(starts[i + 1] >= ends[i] - 0.005 for i in range(3))
-    assert result.runs[0].summary.duration_s > 0.4 - 0.05
+    # One at a time: the server never had two streams open, and the run took four TTFTs.
+    assert behaviour.num_streamed == 4 and behaviour.max_in_flight == 1
+    assert result.runs[0].summary.duration_s == pytest.approx(0.4)
 
 
 async def test_failures_are_counted_and_kept_out_of_the_latencies(

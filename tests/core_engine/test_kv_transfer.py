@@ -98,10 +98,8 @@ def test_round_trip_gives_the_same_blocks(config: KVTransferConfig, quantized: b
 def test_a_transfer_never_sent_times_out(config: KVTransferConfig) -> None:
     receiver = open_receiver(config)
     try:
-        started = time.monotonic()
-        with pytest.raises(KVTransferTimeout):
+        with pytest.raises(KVTransferTimeout, match="'nobody-sends-this': nothing"):
             receiver.receive("nobody-sends-this", timeout=0.3)
-        assert time.monotonic() - started < 3
     finally:
         receiver.close()
 
@@ -165,11 +163,10 @@ def test_sender_killed_mid_transfer_fails_the_receive_and_leaves_nothing(
     receiver = open_receiver(config)
     try:
         _sender_killed_mid_transfer(config, tmp_path / "stall")
-        started = time.monotonic()
-        with pytest.raises(KVTransferError):
+        with pytest.raises(KVTransferError) as raised:
             receiver.receive("killed-mid-transfer", timeout=2.0)
-        if config.transport == "shm":  # a dead sender is seen at once, not after the timeout
-            assert time.monotonic() - started < 1.0
+        if config.transport == "shm":  # a dead sender is seen as such, not as a timeout
+            assert not isinstance(raised.value, KVTransferTimeout), raised.value
         assert segment_name("killed-mid-transfer") not in _segments()
         # The transport still carries the next transfer (a retried request).
         sender = open_sender(config)

@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from upstream_server import upstream_servers  # noqa: F401  (a fixture, used by name)
+from upstream_server import test_ca, upstream_servers  # noqa: F401  (fixtures, used by name)

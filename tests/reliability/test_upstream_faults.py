@@ -27,7 +27,7 @@ from reliability_util import (
     wait_until,
     with_ledger,
 )
-from upstream_server import Behaviour, UpstreamServer, closed_port_url
+from upstream_server import Behaviour, UpstreamServer, backend_tls_options, closed_port_url
 
 from backends.base import BackendConfig
 from backends.errors import GenerationAbortedError, StreamIdleTimeoutError
@@ -38,7 +38,9 @@ WORDS = "one two three four five six"
 
 
 def remote(name: str, base_url: str, **settings: Any) -> BackendConfig:
-    return BackendConfig(name=name, kind="openai", options={"base_url": base_url}, **settings)
+    """An ``openai`` backend of ``base_url``, trusting its CA when it is a TLS test server."""
+    options = {"base_url": base_url, **backend_tls_options(base_url)}
+    return BackendConfig(name=name, kind="openai", options=options, **settings)
 
 
 def config_with(*remotes: BackendConfig, **kwargs: Any) -> Any:
@@ -116,10 +118,11 @@ def test_refused_connections_are_503_and_open_then_half_open_the_circuit(
     }
 
 
+@pytest.mark.parametrize("mode", ["close_without_response", "reset_before_headers"])
 def test_a_dropped_connection_falls_back_before_the_first_byte(
-    live_gateway: Any, upstream_servers: StartUpstream, tmp_path: Path
+    live_gateway: Any, upstream_servers: StartUpstream, tmp_path: Path, mode: str
 ) -> None:
-    a = upstream_servers(Behaviour(mode="close_without_response"), name="a")
+    a = upstream_servers(Behaviour(mode=mode), name="a")  # type: ignore[arg-type]
     b = upstream_servers(name="b")
     pm, recorder = recording_plugins()
     config = config_with(remote("a", a.base_url), remote("b", b.base_url))
@@ -269,10 +272,11 @@ def _content(frames: list[str]) -> str:
     return text
 
 
+@pytest.mark.parametrize("mode", ["die_mid_stream", "reset_mid_stream"])
 def test_upstream_death_mid_stream_is_an_error_frame_with_partial_usage_once(
-    live_gateway: Any, upstream_servers: StartUpstream, tmp_path: Path
+    live_gateway: Any, upstream_servers: StartUpstream, tmp_path: Path, mode: str
 ) -> None:
-    a = upstream_servers(Behaviour(mode="die_mid_stream", after_chunks=2), name="a")
+    a = upstream_servers(Behaviour(mode=mode, after_chunks=2), name="a")  # type: ignore[arg-type]
     b = upstream_servers(name="b")
     pm, recorder = recording_plugins()
     settings = {"circuit_failure_threshold": 1, "circuit_cooldown_s": 60.0}

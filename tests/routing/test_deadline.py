@@ -11,11 +11,19 @@ from backends.deadline import Deadline, earliest
 
 
 async def test_a_passed_deadline_ends_the_block_with_timeout_error() -> None:
-    started = time.monotonic()
-    with pytest.raises(TimeoutError):
-        with Deadline(started + 0.05):
-            await asyncio.sleep(5)
-    assert time.monotonic() - started < 1.0
+    # Timers fire in the order of their times: a marker due 0.5 s after the deadline must not
+    # have fired when the deadline ends the block (a late or missed deadline would let it).
+    loop = asyncio.get_running_loop()
+    marker_fired = asyncio.Event()
+    when = time.monotonic() + 0.05
+    marker = loop.call_at(loop.time() + 0.55, marker_fired.set)
+    try:
+        with pytest.raises(TimeoutError):
+            with Deadline(when):
+                await asyncio.sleep(5)
+        assert not marker_fired.is_set()
+    finally:
+        marker.cancel()
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
     await asyncio.sleep(0)  # the task is not left cancelled
 
@@ -25,7 +33,12 @@ async def test_no_deadline_or_a_later_one_changes_nothing() -> None:
         await asyncio.sleep(0.01)
     with Deadline(time.monotonic() + 5):
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.06)  # the cancelled timer never fires
+    # A block that ends before its deadline cancels the timer: sleeping past that deadline
+    # afterwards is not interrupted (a timer left behind would cancel this sleep).
+    with Deadline(time.monotonic() + 0.02):
+        pass
+    assert await asyncio.sleep(0.06, result="slept") == "slept"
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
 
 async def test_a_cancellation_from_outside_stays_a_cancellation() -> None:

@@ -3,8 +3,6 @@ formulas, plus the dispatch rule."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from kernel_case import dense_decode_attention, make_paged_kv, quantize_paged_kv
@@ -12,9 +10,7 @@ from kernel_case import dense_decode_attention, make_paged_kv, quantize_paged_kv
 from core_engine.kernels import (
     apply_rotary_embedding,
     apply_rotary_embedding_reference,
-    filter_logits_reference,
     fused_add_rms_norm_reference,
-    greedy_sample_reference,
     paged_attention_decode,
     paged_attention_decode_reference,
     reshape_and_cache_reference,
@@ -231,59 +227,6 @@ def test_rotary_inplace_rotates_views_of_a_fused_projection(device: torch.device
     assert torch.equal(qkv[:, 48:], before[:, 48:]), "rotary touched the value slice"
 
 
-def test_greedy_reference_picks_first_maximum_and_its_logprob(device: torch.device) -> None:
-    logits = torch.randn(3, 50, device=device)
-    logits[1, 4] = logits[1, 40] = 9.0  # tie: the first index wins
-    token_ids, logprobs = greedy_sample_reference(logits)
-    assert token_ids.dtype == torch.int64 and token_ids[1] == 4
-    for row in range(3):
-        x = logits[row].double()
-        assert token_ids[row] == int(x.argmax())
-        assert math.isclose(
-            float(logprobs[row]), float(x.max() - torch.logsumexp(x, 0)), abs_tol=1e-5
-        )
-
-
-def _filter_row_naively(x: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
-    # The documented semantics, token by token in plain Python.
-    order = sorted(range(len(x)), key=lambda i: -x[i])
-    kth = x[order[min(top_k, len(x)) - 1]]
-    survivors = [i for i in order if x[i] >= kth]
-    m = x[order[0]]
-    weight = {i: math.exp(x[i] - m) for i in survivors}
-    total = sum(weight.values())
-    kept = set()
-    for i in survivors:
-        mass_above = sum(w for j, w in weight.items() if x[j] > x[i])
-        if top_p >= 1.0 or mass_above < top_p * total or x[i] == m:
-            kept.add(i)
-    return {i for i in kept if math.exp(x[i] - m) >= min_p}
-
-
-def test_filter_reference_follows_the_documented_semantics(device: torch.device) -> None:
-    gen = torch.Generator().manual_seed(3)
-    logits = (torch.randn(6, 40, generator=gen) * 2).round(decimals=1)  # rounding makes ties
-    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.8, 1.0])
-    top_k = torch.tensor([40, 5, 40, 1, 12, 3], dtype=torch.int32)
-    top_p = torch.tensor([1.0, 1.0, 0.6, 0.9, 0.3, 0.99])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05, 0.2])
-    out = filter_logits_reference(
-        logits.to(device),
-        temperature.to(device),
-        top_k.to(device),
-        top_p.to(device),
-        min_p.to(device),
-    ).cpu()
-    scaled = logits / temperature[:, None]
-    for row in range(6):
-        kept = _filter_row_naively(
-            scaled[row].tolist(), int(top_k[row]), float(top_p[row]), float(min_p[row])
-        )
-        assert set(torch.nonzero(out[row].isfinite()).flatten().tolist()) == kept, f"row {row}"
-        assert torch.equal(out[row][list(kept)], scaled[row][list(kept)])
-    assert out[0].isfinite().all(), "neutral settings removed tokens"
-
-
 def test_dispatch_uses_torch_on_cpu_unless_the_interpreter_is_on(
     device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -294,3 +237,39 @@ def test_dispatch_uses_torch_on_cpu_unless_the_interpreter_is_on(
     monkeypatch.setenv("INFERMUX_KERNELS", "fastest")
     with pytest.raises(ValueError, match="INFERMUX_KERNELS"):
         use_triton(cpu)
+
+
+def test_the_model_norm_and_rope_keep_their_torch_ops_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The Triton wiring must not change the CPU path: F.rms_norm and the rotate-half formula,
+    # bit for bit, and no kernel dispatcher called (under the interpreter it is, by design).
+    import importlib
+
+    import torch.nn.functional as F
+
+    from core_engine.model.norm import rms_norm as model_rms_norm
+    from core_engine.model.rope import apply_rotary
+
+    # The modules themselves: core_engine.kernels re-exports functions of the same names.
+    rms_norm_module = importlib.import_module("core_engine.kernels.rms_norm")
+    rotary_module = importlib.import_module("core_engine.kernels.rotary")
+    calls: list[str] = []
+    for module, name in ((rms_norm_module, "rms_norm"), (rotary_module, "apply_rotary_embedding")):
+        original = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k)
+        )
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 8, generator=gen).to(torch.bfloat16)
+    weight = torch.rand(8, generator=gen).to(torch.bfloat16)
+    cos, sin = (t.to(torch.bfloat16) for t in torch.rand(2, 3, 1, 4, generator=gen))
+    normed = model_rms_norm(x, weight, 1e-5)
+    rotated = apply_rotary(x, cos, sin)
+    if interpreter_enabled():
+        assert calls == ["rms_norm", "apply_rotary_embedding"]
+        return
+    assert calls == []
+    assert torch.equal(normed, F.rms_norm(x, (8,), weight, 1e-5))
+    x1, x2 = x.chunk(2, dim=-1)
+    assert torch.equal(rotated, torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
