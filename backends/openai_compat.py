@@ -183,7 +183,7 @@ class OpenAICompatBackend:
                 raise BackendOptionError(
                     f"{prefix}.ca_bundle: verify_tls = false would ignore it; drop one of them"
                 )
-            self._tls = _tls_context(self.options.ca_bundle, f"{prefix}.ca_bundle")
+            self._tls: ssl.SSLContext | None = _tls_context(self.options.ca_bundle, f"{prefix}.ca_bundle")
         else:
             self._tls = None
         # Structured outputs pass through: the upstream (vLLM, SGLang...) enforces and
