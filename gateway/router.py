@@ -354,11 +354,12 @@ class ModelRouter:
         candidates = list(route.backend_names)
         adecide = getattr(route.strategy, "adecide", None)
         decide = getattr(route.strategy, "decide", None)
-        if callable(adecide) or callable(decide):
-            if callable(adecide):  # it may ask the backends first (cache_aware: token ids)
-                ordered, decision = await adecide(candidates, request, self._outstanding)
-            else:
-                ordered, decision = decide(candidates, request, self._outstanding)
+        decision: dict[str, object] | None = None
+        if callable(adecide):  # it may ask the backends first (cache_aware: token ids)
+            ordered, decision = await adecide(candidates, request, self._outstanding)
+        elif callable(decide):
+            ordered, decision = decide(candidates, request, self._outstanding)
+        if decision is not None:
             labels = {**request.labels, DECISION_LABEL: json.dumps(decision, separators=(",", ":"))}
             request = msgspec.structs.replace(request, labels=labels)
         else:

@@ -254,7 +254,7 @@ class WorkerBackend:
                         queue.put_nowait(from_wire(message.error))
                 elif isinstance(message, Stats):
                     self._stats = message.values
-                elif isinstance(message, KVEvents):
+                elif isinstance(message, KVEvents) and self._prefix_cache is not None:
                     self._prefix_cache.apply(message.events)
                 elif isinstance(message, Started):
                     _resolve(worker.ready, message)

@@ -81,7 +81,9 @@ class CacheAwareStrategy:
         ask = msgspec.structs.replace(request, kind="tokenize")
         for name in candidates:
             backend = self._context.replicas.get(name)
-            if self._index(name) is None or not getattr(backend.capabilities, "tokenize", False):
+            if backend is None or self._index(name) is None:
+                continue
+            if not getattr(backend.capabilities, "tokenize", False):
                 continue
             try:
                 async for chunk in backend.generate(ask):
