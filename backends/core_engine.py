@@ -50,6 +50,7 @@ from backends.errors import (
     InvalidRequestError,
     UnsupportedParameterError,
 )
+from backends.prefix_cache import CacheEvents, PrefixCacheIndex
 from core_engine.chat.formats import ChatFormat
 from core_engine.chat.template import ChatTemplate, ChatTemplateError
 
@@ -227,6 +228,8 @@ class CoreEngineBackend:
         self.num_generated_tokens = 0
         self._policies: Any = None  # EnginePolicies, from use_policies()
         self._spec_config: Any = self._speculation_config()
+        #: The engine's prefix cache as the router sees it in-process (:meth:`prefix_cache`).
+        self._prefix_cache = PrefixCacheIndex()
 
     def _check_tier_options(self) -> None:
         o = self.options
@@ -492,6 +495,25 @@ class CoreEngineBackend:
             for tier, tokens in engine.tiers.hit_tokens.items():
                 figures[f"kv_hit_rate:{tier}"] = tokens / admitted if admitted else 0.0
         return figures
+
+    def take_kv_events(self) -> CacheEvents | None:
+        """The block hashes that entered / left the engine's prefix cache since the last
+        call (None: nothing changed, or not loaded). The worker process sends them over."""
+        engine = self.engine
+        if engine is None:
+            return None
+        kv = engine.kv_cache_manager
+        batch = kv.block_pool.take_kv_events()
+        if batch.is_empty:
+            return None
+        return CacheEvents(block_size=kv.block_size, stored=batch.stored, removed=batch.removed, reset=batch.reset)
+
+    def prefix_cache(self) -> PrefixCacheIndex:
+        """The engine's cached block hashes, up to date (in-process: drained now)."""
+        events = self.take_kv_events()
+        if events is not None:
+            self._prefix_cache.apply(events)
+        return self._prefix_cache
 
     @property
     def engine(self) -> Any:

@@ -17,12 +17,18 @@ evicts its own least recently used unreferenced one (down a tier, through ``on_e
 when it needs a block while at its quota it recycles its own before anyone else's. So one
 tenant's traffic cannot push another tenant's cached prefixes out while that tenant stays
 within its quota. (Blocks its running requests reference count too and are never evicted.)
+
+Every hash that enters or leaves the cache is recorded in ``events``
+(:class:`~core_engine.kv_events.KVEventLog`), for consumers outside the engine that route by
+what each engine holds (:meth:`BlockPool.take_kv_events`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+
+from core_engine.kv_events import KVEventBatch, KVEventLog
 
 __all__ = ["BlockPool", "KVCacheBlock"]
 
@@ -69,6 +75,22 @@ class BlockPool:
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
         #: Counters for metrics and tests.
         self.num_evictions = 0
+        #: Stored/removed block hashes since the last :meth:`take_kv_events` (bounded).
+        self.events = KVEventLog()
+
+    def take_kv_events(self) -> KVEventBatch:
+        """The block hashes that entered / left the cache since the last call (a full
+        snapshot when too many changed to keep; see :mod:`core_engine.kv_events`)."""
+        return self.events.take(self._cached_hashes)
+
+    def _cached_hashes(self) -> list[bytes]:
+        # Called from another thread than the engine's: a copy made while the engine thread
+        # changes the dict raises, and is made again (the dict is small: one key per block).
+        while True:
+            try:
+                return list(self._cached)
+            except RuntimeError:
+                continue
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,6 +158,7 @@ class BlockPool:
         assert block.block_hash is not None
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            self.events.record_removed(block.block_hash)
         self._tenant_cached[block.tenant] -= 1
         block.block_hash = None
         block.tenant = None
@@ -196,6 +219,7 @@ class BlockPool:
         block.tenant = tenant
         self._tenant_cached[tenant] = self._tenant_cached.get(tenant, 0) + 1
         self._cached[block_hash] = block
+        self.events.record_stored(block_hash)
         return True
 
     def reset_prefix_cache(self) -> bool:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from core_engine.block_pool import BlockPool, KVCacheBlock
 from core_engine.request import Request
 
-__all__ = ["KVCacheManager", "hash_block_tokens"]
+__all__ = ["KVCacheManager", "hash_block_tokens", "prompt_block_hashes"]
 
 _ROOT_HASH = b"infermux-kv-root"
 
@@ -43,6 +43,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     h = hashlib.blake2b(parent_hash or _ROOT_HASH, digest_size=16)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained hashes of ``token_ids``' full blocks, exactly as the engine keys its prefix
+    cache (a router compares them with the hashes an engine reported as cached)."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+    return hashes
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -82,7 +82,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     #: Backend names (from ``[[backends]]``) in priority order.
     backends: list[str]
     #: "priority" (fallback in order) | "round_robin" | "least_outstanding" | "slo_cost" |
-    #: a plugin's.
+    #: "cache_aware" | a plugin's.
     strategy: str = "priority"
     #: Extra attempts on other backends, only before the first byte reached the client.
     max_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
@@ -90,6 +90,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     #: meet it; the headers ``x-infermux-ttft-slo-ms`` / ``x-infermux-tpot-slo-ms`` override).
     ttft_slo_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None
     tpot_slo_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    #: ``cache_aware``: a replica more than this factor above the least-loaded one (open
+    #: streams, each counting the new request) loses its prefix affinity.
+    cache_load_factor: Annotated[float, msgspec.Meta(ge=1)] = 1.5
 
 
 class PluginsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -230,6 +230,8 @@ class ModelRouter:
                 configure(RoutingContext(
                     alias=model.alias, backends=tuple(model.backends), prices=prices,
                     ttft_slo_ms=model.ttft_slo_ms, tpot_slo_ms=model.tpot_slo_ms,
+                    load_factor=model.cache_load_factor,
+                    replicas={name: backends[name] for name in model.backends},
                 ))
             self._routes[model.alias] = _Route(model.alias, list(model.backends), strategy, model.max_retries)
         self._circuits: dict[str, CircuitBreaker] = {}
@@ -295,7 +297,7 @@ class ModelRouter:
                 )
             ordered = [pinned_backend]
         else:
-            ordered, request = self._order(route, request)
+            ordered, request = await self._order(route, request)
 
         max_attempts = 1 + route.max_retries
         attempts: list[Attempt] = []
@@ -346,13 +348,18 @@ class ModelRouter:
             last_error.backend_name = attempts[-1].backend_name  # type: ignore[attr-defined]
         raise last_error
 
-    def _order(self, route: _Route, request: GenerationRequest) -> tuple[list[str], GenerationRequest]:
+    async def _order(self, route: _Route, request: GenerationRequest) -> tuple[list[str], GenerationRequest]:
         """The backends in the order to try, and the request (with the strategy's decision
         in its labels when the strategy explains itself: the routing span shows it)."""
         candidates = list(route.backend_names)
+        adecide = getattr(route.strategy, "adecide", None)
         decide = getattr(route.strategy, "decide", None)
-        if callable(decide):
+        decision: dict[str, object] | None = None
+        if callable(adecide):  # it may ask the backends first (cache_aware: token ids)
+            ordered, decision = await adecide(candidates, request, self._outstanding)
+        elif callable(decide):
             ordered, decision = decide(candidates, request, self._outstanding)
+        if decision is not None:
             labels = {**request.labels, DECISION_LABEL: json.dumps(decision, separators=(",", ":"))}
             request = msgspec.structs.replace(request, labels=labels)
         else:

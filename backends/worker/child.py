@@ -42,6 +42,7 @@ from backends.worker.protocol import (
     Failed,
     Finished,
     Generate,
+    KVEvents,
     PolicySource,
     Start,
     Started,
@@ -189,6 +190,8 @@ class _Worker:
         try:
             async for chunk in stream:
                 self._post_chunk(request_id, chunk)
+            # The blocks it cached are known to the gateway before its next request routes.
+            self._post_kv_events()
             self._post(Finished(id=request_id))
         except asyncio.CancelledError:
             pass  # the gateway closed the stream; it expects nothing more
@@ -218,6 +221,7 @@ class _Worker:
                 self._flush()
                 logger.error("backend %s; exiting so that the gateway starts it again", fatal)
                 os._exit(_EXIT_FATAL)
+            self._post_kv_events()
             values = self._probe()
             if values != last:
                 self._post(Stats(values=values))
@@ -236,6 +240,15 @@ class _Worker:
         if isinstance(generated, int):
             values["num_generated_tokens"] = float(generated)
         return values
+
+    def _post_kv_events(self) -> None:
+        """The engine's prefix-cache changes since the last call, if it reports them."""
+        take = getattr(self.backend, "take_kv_events", None)
+        if not callable(take):
+            return
+        events = take()
+        if events is not None:
+            self._post(KVEvents(events=events))
 
     # -- sending: one frame per loop turn ---------------------------------------------------
 

@@ -20,6 +20,7 @@ import msgspec
 
 from backends import errors
 from backends.base import BackendConfig, Capabilities, GenerationChunk, GenerationRequest, ModelInfo
+from backends.prefix_cache import CacheEvents
 
 __all__ = [
     "Cancel",
@@ -27,6 +28,7 @@ __all__ = [
     "Failed",
     "Finished",
     "Generate",
+    "KVEvents",
     "Message",
     "PolicySource",
     "Start",
@@ -121,7 +123,16 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     values: dict[str, float]
 
 
-Message = Start | Generate | Cancel | Stop | Started | StartFailed | Chunks | Finished | Failed | Stats
+class KVEvents(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Prefix-cache changes of the worker's engine (before each ``Finished``, and with the
+    stats when evictions happened meanwhile); bounded by the engine's log."""
+
+    events: CacheEvents
+
+
+Message = (
+    Start | Generate | Cancel | Stop | Started | StartFailed | Chunks | Finished | Failed | Stats | KVEvents
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(list[Message])

@@ -54,12 +54,14 @@ from backends.errors import (
     GenerationAbortedError,
     InfermuxError,
 )
+from backends.prefix_cache import PrefixCacheIndex
 from backends.worker.protocol import (
     Cancel,
     Chunks,
     Failed,
     Finished,
     Generate,
+    KVEvents,
     PolicySource,
     Start,
     Started,
@@ -141,6 +143,10 @@ class WorkerBackend:
         self._backoff_attempt = 0
         self._restart_task: asyncio.Task[None] | None = None
         self._stats: dict[str, float] = {}
+        #: The worker engine's prefix cache, from its KVEvents; None: it reports none.
+        self._prefix_cache: PrefixCacheIndex | None = (
+            PrefixCacheIndex() if callable(getattr(local, "take_kv_events", None)) else None
+        )
         self._recovery_listeners: list[Callable[[], None]] = []
         #: Whether the backend consults engine policies (then the worker builds them).
         self.takes_policies = callable(getattr(local, "use_policies", None))
@@ -248,6 +254,8 @@ class WorkerBackend:
                         queue.put_nowait(from_wire(message.error))
                 elif isinstance(message, Stats):
                     self._stats = message.values
+                elif isinstance(message, KVEvents) and self._prefix_cache is not None:
+                    self._prefix_cache.apply(message.events)
                 elif isinstance(message, Started):
                     _resolve(worker.ready, message)
                 elif isinstance(message, StartFailed):
@@ -258,6 +266,8 @@ class WorkerBackend:
         """The worker ended: fail what it was running, then start it again unless closing."""
         if self._worker is not worker:
             return
+        if self._prefix_cache is not None:
+            self._prefix_cache.clear()  # a new worker starts with an empty cache
         self._worker = None
         worker.dispose()
         if self._state == "closed":
@@ -371,6 +381,11 @@ class WorkerBackend:
             "worker_up": 1.0 if self._state == "up" else 0.0,
             "worker_restarts": float(self.restarts),
         }
+
+    def prefix_cache(self) -> PrefixCacheIndex | None:
+        """The worker engine's cached block hashes as last reported (None: its backend
+        reports no cache)."""
+        return self._prefix_cache
 
     def add_recovery_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` each time the worker is up again after a crash (the router

@@ -31,7 +31,8 @@ class RoutingContext:
     ``configure(context)``. A strategy may also have ``observe(backend, *, ttft_s, tpot_s)``
     (called when a stream it routed ended well) and ``decide(candidates, request,
     outstanding) -> (order, decision)`` (used instead of ``order``; the decision, a JSON-able
-    dict, goes on the request's routing span)."""
+    dict, goes on the request's routing span), or ``async adecide(...)`` with the same
+    answer, awaited (preferred over ``decide``: it may ask the backends first)."""
 
     alias: str
     backends: tuple[str, ...]
@@ -40,6 +41,12 @@ class RoutingContext:
     #: The alias's SLO (``[[models]] ttft_slo_ms`` / ``tpot_slo_ms``), None: none.
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    #: ``[[models]] cache_load_factor`` (``cache_aware``): how far above the least-loaded
+    #: replica a replica may be loaded and still win on its cached prefix.
+    load_factor: float = 1.5
+    #: backend name -> the backend object (``cache_aware`` asks it for its prefix cache and
+    #: the prompt's token ids).
+    replicas: Mapping[str, Any] = field(default_factory=dict)
 
 
 class RoutingStrategy(Protocol):
@@ -95,10 +102,13 @@ class LeastOutstandingStrategy:
 def infermux_register_routing_strategies(
     register: Callable[[str, Callable[[], Any]], None],
 ) -> None:
-    """Register ``priority``, ``round_robin``, ``least_outstanding`` and ``slo_cost``."""
+    """Register ``priority``, ``round_robin``, ``least_outstanding``, ``slo_cost`` and
+    ``cache_aware``."""
+    from plugins.builtin.cache_aware import CacheAwareStrategy
     from plugins.builtin.slo_cost import SloCostStrategy
 
     register("priority", PriorityStrategy)
     register("slo_cost", SloCostStrategy)
     register("round_robin", RoundRobinStrategy)
     register("least_outstanding", LeastOutstandingStrategy)
+    register("cache_aware", CacheAwareStrategy)
