@@ -60,8 +60,8 @@ from backends.errors import (
     UpstreamTimeoutError,
 )
 from gateway.capability_check import unsupported_parameter
-from plugins.builtin.routing import RoutingContext
 from plugins.builtin.slo_cost import DECISION_LABEL
+from plugins.builtin.strategies import RoutingContext
 
 if TYPE_CHECKING:
     from gateway.config import ModelConfig

@@ -35,7 +35,7 @@ from backends.base import GenerationRequest
 from backends.errors import InfermuxError
 from core_engine.kv_cache_manager import prompt_block_hashes
 from plugins.builtin.prefix_map import APPROX_BLOCK_BYTES, PrefixMap, prompt_text_hashes
-from plugins.builtin.routing import RoundRobinStrategy, RoutingContext
+from plugins.builtin.strategies import RoundRobinStrategy, RoutingContext
 
 __all__ = ["CacheAwareStrategy"]
 

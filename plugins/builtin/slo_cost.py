@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from backends.base import GenerationRequest
-from plugins.builtin.routing import RoutingContext
+from plugins.builtin.strategies import RoutingContext
 
 __all__ = ["DECISION_LABEL", "TPOT_SLO_HEADER", "TTFT_SLO_HEADER", "SloCostStrategy"]
 

@@ -24,7 +24,7 @@ from core_engine.sampling_params import SamplingParams
 from gateway.testing import gateway_config
 from plugins.builtin.cache_aware import CacheAwareStrategy
 from plugins.builtin.prefix_map import PrefixMap, prompt_text_hashes
-from plugins.builtin.routing import RoutingContext
+from plugins.builtin.strategies import RoutingContext
 
 ALIAS = "smol"
 
