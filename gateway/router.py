@@ -60,6 +60,7 @@ from backends.errors import (
     UpstreamTimeoutError,
 )
 from gateway.capability_check import unsupported_parameter
+from gateway.stream_resume import can_resume
 from plugins.builtin.routing import RoutingContext
 from plugins.builtin.slo_cost import DECISION_LABEL
 
@@ -178,13 +179,21 @@ class CircuitBreaker:
 class _Route:
     """One alias: its candidates, strategy and retry budget."""
 
-    __slots__ = ("alias", "backend_names", "strategy", "max_retries")
+    __slots__ = ("alias", "backend_names", "strategy", "max_retries", "resume_on_failure")
 
-    def __init__(self, alias: str, backend_names: list[str], strategy: Any, max_retries: int):
+    def __init__(
+        self,
+        alias: str,
+        backend_names: list[str],
+        strategy: Any,
+        max_retries: int,
+        resume_on_failure: bool = False,
+    ):
         self.alias = alias
         self.backend_names = backend_names
         self.strategy = strategy
         self.max_retries = max_retries
+        self.resume_on_failure = resume_on_failure
 
 
 class ModelRouter:
@@ -231,7 +240,10 @@ class ModelRouter:
                     alias=model.alias, backends=tuple(model.backends), prices=prices,
                     ttft_slo_ms=model.ttft_slo_ms, tpot_slo_ms=model.tpot_slo_ms,
                 ))
-            self._routes[model.alias] = _Route(model.alias, list(model.backends), strategy, model.max_retries)
+            self._routes[model.alias] = _Route(
+                model.alias, list(model.backends), strategy, model.max_retries,
+                getattr(model, "resume_on_failure", False),
+            )
         self._circuits: dict[str, CircuitBreaker] = {}
         for name, backend in backends.items():
             config = backend_configs.get(name)
@@ -296,7 +308,52 @@ class ModelRouter:
             ordered = [pinned_backend]
         else:
             ordered, request = self._order(route, request)
+        return await self._open_first(route, ordered, request)
 
+    def resumes(self, request: GenerationRequest, *, pinned_backend: str | None = None) -> bool:
+        """Does a mid-stream failure of ``request`` continue on the next backend (its
+        alias has ``resume_on_failure`` and nothing in it forbids: gateway/stream_resume.py)?"""
+        route = self._routes.get(request.model)
+        return (
+            route is not None
+            and route.resume_on_failure
+            and pinned_backend is None
+            and can_resume(request)
+        )
+
+    async def open_resumed(
+        self,
+        request: GenerationRequest,
+        *,
+        exclude: Sequence[str],
+        adapt: Callable[[str, bool], GenerationRequest | None],
+    ) -> RoutedStream:
+        """Open the continuation of an answer whose backend failed mid-stream
+        (gateway/stream_resume.py) on another backend of the alias than ``exclude``.
+
+        ``adapt(name, honours_resume)`` gives the request for that backend, or None to skip
+        it. Raises as :meth:`open` does when no backend takes it.
+        """
+        route = self._routes[request.model]
+        ordered, request = self._order(route, request)
+        ordered = [name for name in ordered if name not in exclude]
+        return await self._open_first(route, ordered, request, adapt)
+
+    def model_id(self, name: str) -> str | None:
+        """The id of the model ``name`` serves (None when it cannot say yet)."""
+        try:
+            return self._backends[name].model_info().id
+        except Exception:  # not started, or a remote that has not answered
+            return None
+
+    async def _open_first(
+        self,
+        route: _Route,
+        ordered: list[str],
+        request: GenerationRequest,
+        adapt: Callable[[str, bool], GenerationRequest | None] | None = None,
+    ) -> RoutedStream:
+        """The stream of the first of ``ordered`` that sends a first chunk (retries, circuits)."""
         max_attempts = 1 + route.max_retries
         attempts: list[Attempt] = []
         last_error: InfermuxError | None = None
@@ -304,8 +361,14 @@ class ModelRouter:
         for name in ordered:
             if len(attempts) >= max_attempts:
                 break
+            candidate = request
+            if adapt is not None:
+                adapted = adapt(name, self._backends[name].capabilities.resume)
+                if adapted is None:
+                    continue
+                candidate = adapted
             # A backend that cannot honour a parameter is skipped, not failed.
-            unsupported = unsupported_parameter(self._backends[name].capabilities, request, name)
+            unsupported = unsupported_parameter(self._backends[name].capabilities, candidate, name)
             if unsupported is not None:
                 refusal = refusal or unsupported
                 continue
@@ -313,7 +376,7 @@ class ModelRouter:
             if not circuit.try_acquire():
                 continue
             try:
-                stream = await self._attempt(name, circuit, request, attempts, route)
+                stream = await self._attempt(name, circuit, candidate, attempts, route)
             except InfermuxError as exc:  # not retryable: the client gets it now
                 if getattr(exc, "backend_name", None) is None:
                     exc.backend_name = name  # type: ignore[attr-defined]
@@ -323,6 +386,8 @@ class ModelRouter:
             last_error = attempts[-1].error
         if last_error is None and refusal is not None:
             raise refusal  # no candidate can honour the request
+        if last_error is None and not ordered:
+            raise BackendUnavailableError(f"no other backend of the model {route.alias!r} is left")
         if last_error is None:
             blocked = [self._circuits[n].seconds_blocked() for n in ordered]
             if blocked and all(wait > 0 for wait in blocked):
@@ -454,6 +519,7 @@ class ModelRouter:
 
         return RoutedStream(
             backend_name=name,
+            request_sent=request,
             attempts=attempts,
             first=first,
             stream=stream,
@@ -493,12 +559,15 @@ class RoutedStream:
         backend_name: str,
         attempts: list[Attempt],
         first: GenerationChunk,
+        request_sent: GenerationRequest | None = None,
         stream: AsyncIterator[GenerationChunk],
         on_done: Callable[[str, InfermuxError | None, Usage | None], None],
         idle_timeout: float | None = None,
         deadline: float | None = None,
     ) -> None:
         self.backend_name = backend_name
+        #: The request as this backend got it (a resumed answer's continuation).
+        self.request_sent = request_sent
         self.attempts = attempts
         self._first: GenerationChunk | None = first
         self._stream = stream
