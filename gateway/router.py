@@ -18,8 +18,10 @@ For one request (one choice) the router
    to that backend.
 
 Once the first chunk exists the request is committed to that backend: the gateway may
-already be sending bytes to the client, so no retry ever happens after it. A failure later
-in the stream still counts against the circuit.
+already be sending bytes to the client, so no retry ever happens after it, unless the
+alias has ``resume_on_failure`` (then :meth:`ModelRouter.open_resumed` opens the next
+backend on the answer so far: gateway/stream_resume.py). A failure later in the stream
+still counts against the circuit.
 
 An upstream 429 with ``Retry-After`` is honoured: no request goes to that backend until the
 time has passed (they fall back to the others; with none left the client gets 429 with the
@@ -327,17 +329,19 @@ class ModelRouter:
         *,
         exclude: Sequence[str],
         adapt: Callable[[str, bool], GenerationRequest | None],
+        attempts: Sequence[Attempt] = (),
     ) -> RoutedStream:
         """Open the continuation of an answer whose backend failed mid-stream
         (gateway/stream_resume.py) on another backend of the alias than ``exclude``.
 
         ``adapt(name, honours_resume)`` gives the request for that backend, or None to skip
-        it. Raises as :meth:`open` does when no backend takes it.
+        it. ``attempts``: the request's tries so far; they count against ``max_retries`` and
+        number the next ones. Raises as :meth:`open` does when no backend takes it.
         """
         route = self._routes[request.model]
         ordered, request = self._order(route, request)
         ordered = [name for name in ordered if name not in exclude]
-        return await self._open_first(route, ordered, request, adapt)
+        return await self._open_first(route, ordered, request, adapt, list(attempts))
 
     def model_id(self, name: str) -> str | None:
         """The id of the model ``name`` serves (None when it cannot say yet)."""
@@ -352,10 +356,11 @@ class ModelRouter:
         ordered: list[str],
         request: GenerationRequest,
         adapt: Callable[[str, bool], GenerationRequest | None] | None = None,
+        attempts: list[Attempt] | None = None,
     ) -> RoutedStream:
         """The stream of the first of ``ordered`` that sends a first chunk (retries, circuits)."""
         max_attempts = 1 + route.max_retries
-        attempts: list[Attempt] = []
+        attempts = attempts if attempts is not None else []
         last_error: InfermuxError | None = None
         refusal: InfermuxError | None = None
         for name in ordered:

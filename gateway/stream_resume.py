@@ -15,7 +15,8 @@ timeout) hands the answer to the next backend of the alias, which continues it:
   (a remote server): the received text is appended to the prompt.
 
 The client's stream goes on with neither duplicate nor missing text (backends/resume.py),
-``max_tokens`` of the continuation is what is left, and the usage is the sum of what each
+``max_tokens`` of the continuation is what is left, the tries of the whole answer count
+against the alias's ``max_retries``, and the usage is the sum of what each
 backend did: the failed one's output (its prompt as the next one counted it, when the token
 ids carried over), then the next one's, whose prompt includes the re-prefilled output
 (``cached_tokens`` where it had the prefix). :attr:`ResumingStream.segments` keeps each
@@ -173,7 +174,9 @@ class ResumingStream:
             return None
 
         try:
-            stream = await self._router.open_resumed(request, exclude=self._tried, adapt=adapt)
+            stream = await self._router.open_resumed(
+                request, exclude=self._tried, adapt=adapt, attempts=self._stream.attempts
+            )
         except InfermuxError:
             self.segments.pop()
             return False
@@ -185,7 +188,6 @@ class ResumingStream:
         resumed = stream.request_sent
         if resumed is not None and resumed.resume is not None and resumed.resume.token_ids:
             self._num_unpriced_prompts = 1
-        stream.attempts[:0] = self._stream.attempts
         self._stream = stream  # the failed one ended already (the router counted the failure)
         return True
 

@@ -48,9 +48,15 @@ class Breaker:
         self.backend: str | None = None
         self.after: int | None = None
         self.chunks: dict[str, list[GenerationChunk]] = {}
+        #: (backend, attempt number, resumed?) of every try (the tracing plugin's spans).
+        self.attempts: list[tuple[str, int, bool]] = []
 
     def arm(self, backend: str | None, after: int | None) -> None:
-        self.backend, self.after, self.chunks = backend, after, {}
+        self.backend, self.after, self.chunks, self.attempts = backend, after, {}, []
+
+    @hookimpl
+    def infermux_on_attempt_start(self, request: GenerationRequest, backend_name: str, attempt: int) -> None:
+        self.attempts.append((backend_name, attempt, request.resume is not None))
 
     @hookimpl
     async def infermux_wrap_generate(
@@ -293,6 +299,7 @@ def test_the_ledger_has_one_row_priced_at_both_backends(setup: tuple[LiveGateway
     breaker.arm("core1", 5)
     resumed = chat(gw, "cc")
     assert resumed.request_id is not None
+    assert breaker.attempts == [("core1", 0, False), ("core2", 1, True)]
     connection = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
     connection.row_factory = sqlite3.Row
     try:
