@@ -34,7 +34,7 @@ from backends.errors import (
 from gateway.errors import to_infermux_error
 from gateway.request_outcome import RequestClock, failure_summary, run_summary
 from gateway.schemas import CompletionTokensDetails, PromptTokensDetails, UsageInfo
-from gateway.stream_resume import ResumingStream
+from gateway.stream_resume import ResumingStream, can_resume
 
 if TYPE_CHECKING:
     from gateway.router import ModelRouter, RoutedStream
@@ -438,7 +438,7 @@ async def _open(
     """The routed stream of ``request``; one that resumes after a mid-stream failure when
     its alias says so (``resume_on_failure``)."""
     stream = await router.open(request, pinned_backend=pinned_backend)
-    if router.resumes(request, pinned_backend=pinned_backend):
+    if pinned_backend is None and router.resumes_on_failure(request.model) and can_resume(request):
         return ResumingStream(router, request, stream)
     return stream
 

@@ -62,7 +62,6 @@ from backends.errors import (
     UpstreamTimeoutError,
 )
 from gateway.capability_check import unsupported_parameter
-from gateway.stream_resume import can_resume
 from plugins.builtin.routing import RoutingContext
 from plugins.builtin.slo_cost import DECISION_LABEL
 
@@ -312,16 +311,11 @@ class ModelRouter:
             ordered, request = self._order(route, request)
         return await self._open_first(route, ordered, request)
 
-    def resumes(self, request: GenerationRequest, *, pinned_backend: str | None = None) -> bool:
-        """Does a mid-stream failure of ``request`` continue on the next backend (its
-        alias has ``resume_on_failure`` and nothing in it forbids: gateway/stream_resume.py)?"""
-        route = self._routes.get(request.model)
-        return (
-            route is not None
-            and route.resume_on_failure
-            and pinned_backend is None
-            and can_resume(request)
-        )
+    def resumes_on_failure(self, alias: str) -> bool:
+        """Does the alias continue an answer on its next backend after a mid-stream
+        failure (``resume_on_failure``: gateway/stream_resume.py)?"""
+        route = self._routes.get(alias)
+        return route is not None and route.resume_on_failure
 
     async def open_resumed(
         self,
