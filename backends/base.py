@@ -26,6 +26,7 @@ __all__ = [
     "HealthStatus",
     "ModelInfo",
     "PrefixPin",
+    "ResumeState",
     "SamplingParams",
     "SpeculationStats",
     "TokenLogprob",
@@ -92,6 +93,24 @@ class PrefixPin(msgspec.Struct, frozen=True, kw_only=True):
     ttl_s: float
 
 
+class ResumeState(msgspec.Struct, frozen=True, kw_only=True):
+    """The output an earlier backend produced before it failed mid-stream; the backend
+    continues it (the router's ``resume_on_failure``, gateway/stream_resume.py).
+
+    A backend that advertises ``Capabilities.resume`` prefills the prompt followed by
+    ``token_ids`` (same model) or, when ``token_ids`` is empty, by the tokens of ``text``
+    (another model: the partial answer as the start of the assistant turn), and streams
+    only what comes after ``text``: stop strings are matched over the whole output, and
+    the bytes of a character cut by the failure are completed, not replaced.
+    """
+
+    #: Every output token id the failed backend sent (text held back included); empty when
+    #: they do not apply to this backend's vocabulary.
+    token_ids: tuple[int, ...] = ()
+    #: The answer text the client has received.
+    text: str = ""
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One backend-neutral generation (one choice). Built by the controller; frozen."""
 
@@ -150,6 +169,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: (``n`` > 1 or a list of prompts: ``request_id`` is then ``<parent>.<index>``); None
     #: when the request has one choice (``request_id`` is the HTTP request's id).
     parent_request_id: str | None = None
+    #: Continue an answer another backend began (mid-stream failover); None: a new answer.
+    resume: ResumeState | None = None
 
 
 class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):
@@ -270,6 +291,8 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     embeddings: bool = False
     #: ``kind`` tokenize / detokenize requests (the backend has the model's tokenizer).
     tokenize: bool = False
+    #: Honours ``GenerationRequest.resume`` (continues another backend's partial answer).
+    resume: bool = False
     max_top_logprobs: int = 20
 
 

@@ -51,6 +51,7 @@ from backends.errors import (
     UnsupportedParameterError,
 )
 from backends.prefix_cache import CacheEvents, PrefixCacheIndex
+from backends.resume import resumed_output, resumed_prompt
 from core_engine.chat.formats import ChatFormat
 from core_engine.chat.template import ChatTemplate, ChatTemplateError
 
@@ -216,6 +217,7 @@ class CoreEngineBackend:
             # A tensor-parallel rank 0 holds a shard of the hidden state: no embeddings there.
             embeddings=self.options.tensor_parallel_size == 1,
             tokenize=True,
+            resume=True,
         )
         self._llm: Any | None = None  # AsyncLLM
         self._template: ChatTemplate | None = None
@@ -534,6 +536,8 @@ class CoreEngineBackend:
             return self._prefill_only(request, request.labels[KV_PREFILL_LABEL])
         if request.kind == "chat":
             return self._chat(request)
+        if request.resume is not None:
+            return self._resumed(request, None)
         return self._generate(request)
 
     async def _tokenize(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
@@ -602,7 +606,33 @@ class CoreEngineBackend:
         if self._template is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         plan = plan_chat(request, self._template, self._chat_format)
-        async for chunk in plan.parse(self._generate(request, plan)):
+        if request.resume is not None:
+            chunks = self._resumed(request, plan)
+        else:
+            chunks = plan.parse(self._generate(request, plan))
+        async for chunk in chunks:
+            yield chunk
+
+    async def _resumed(self, request: GenerationRequest, plan: ChatPlan | None) -> AsyncIterator[GenerationChunk]:
+        """Continue another backend's partial answer (``request.resume``, backends/resume.py):
+        the prompt followed by its output, re-texted over the whole output."""
+        llm = self._llm
+        resume = request.resume
+        if llm is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        assert resume is not None
+        tokenizer = llm.engine.tokenizer
+        prompt_ids, _ = self._prompt(request, tokenizer, llm.engine.model_config.vocab_size, plan)
+        prompt_ids = resumed_prompt(
+            prompt_ids, resume, lambda text: tokenizer.encode(text, add_special=False, parse_special=False)
+        )
+        async for chunk in resumed_output(
+            self._generate(request, plan, prompt_ids),
+            resume,
+            piece=lambda token_id: self._piece(tokenizer, token_id),
+            stop=request.params.stop,
+            num_prompt_tokens=len(prompt_ids),
+        ):
             yield chunk
 
     def _transfer_end(self, end: Any, role: str) -> Any:
@@ -658,8 +688,10 @@ class CoreEngineBackend:
         )
 
     async def _generate(
-        self, request: GenerationRequest, plan: ChatPlan | None = None
+        self, request: GenerationRequest, plan: ChatPlan | None = None, prompt_ids: list[int] | None = None
     ) -> AsyncIterator[GenerationChunk]:
+        """The engine's chunks for ``request`` (``prompt_ids``: the prompt, when the caller
+        made it: a resumed answer's)."""
         from core_engine.errors import EngineDeadError, InvalidParamError, RequestTooLongError
 
         llm = self._llm
@@ -667,7 +699,10 @@ class CoreEngineBackend:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         params = request.params
         prompt_param = "messages" if request.kind == "chat" else "prompt"
-        prompt_ids, prompt_text = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size, plan)
+        if prompt_ids is None:
+            prompt_ids, prompt_text = self._prompt(request, llm.engine.tokenizer, llm.engine.model_config.vocab_size, plan)
+        else:
+            prompt_text = ""
         pins: tuple[tuple[int, float], ...] = ()
         if plan is not None and request.prefix_pins and self._template is not None:
             tokenizer = llm.engine.tokenizer

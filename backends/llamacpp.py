@@ -57,6 +57,7 @@ from backends.errors import (
     InvalidRequestError,
     UnsupportedParameterError,
 )
+from backends.resume import resumed_output, resumed_prompt
 from core_engine.chat.template import ChatTemplateError
 from core_engine.policy import EnginePolicies, SpeculationMethod
 
@@ -154,6 +155,7 @@ class LlamaCppBackend:
             tools=True,
             embeddings=True,
             tokenize=True,
+            resume=True,
             max_top_logprobs=20,
         )
         self._runner: LlamaRunner | None = None
@@ -415,6 +417,21 @@ class LlamaCppBackend:
         if structured is not None:
             # Compiled here, off the batch loop's thread (cached by constraint).
             job.matcher = await asyncio.to_thread(self._compile, runner, structured)
+        resume = request.resume
+        if resume is not None:
+            # The runner prefills the prompt and the earlier output (_llamacpp_loop);
+            # the text is made again over the whole output (backends/resume.py).
+            model = runner.model
+            prompt, _ = model.prompt_tokens(request, job.chat_text)
+            num_prompt = len(resumed_prompt(prompt, resume, lambda text: model.tokenize(text, add_bos=False)))
+            runner.submit(job)
+            resumed = resumed_output(
+                drain(job), resume, piece=model.piece, stop=request.params.stop,
+                num_prompt_tokens=num_prompt,
+            )
+            async for chunk in resumed:
+                yield chunk
+            return
         runner.submit(job)
         chunks = drain(job)
         async for chunk in (plan.parse(chunks) if plan is not None else chunks):

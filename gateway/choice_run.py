@@ -34,6 +34,7 @@ from backends.errors import (
 from gateway.errors import to_infermux_error
 from gateway.request_outcome import RequestClock, failure_summary, run_summary
 from gateway.schemas import CompletionTokensDetails, PromptTokensDetails, UsageInfo
+from gateway.stream_resume import ResumingStream, can_resume
 
 if TYPE_CHECKING:
     from gateway.router import ModelRouter, RoutedStream
@@ -69,7 +70,7 @@ class ChoiceState:
     def __init__(
         self,
         request: GenerationRequest,
-        stream: RoutedStream,
+        stream: RoutedStream | ResumingStream,
         *,
         first_chunk_at: float | None = None,
         capture_output: bool = False,
@@ -169,7 +170,7 @@ class ChoiceRun:
         if len(transformed) == 1:
             request = transformed[0]
             try:
-                stream = await router.open(request, pinned_backend=pinned_backend)
+                stream = await _open(router, request, pinned_backend)
             except InfermuxError as exc:
                 await _report_open_failure(hooks, request, exc)
                 raise
@@ -179,7 +180,7 @@ class ChoiceRun:
             return [ChoiceState(request, stream, capture_output=capture_output)]
 
         tasks = [
-            asyncio.ensure_future(router.open(r, pinned_backend=pinned_backend))
+            asyncio.ensure_future(_open(router, r, pinned_backend))
             for r in transformed
         ]
         # When each choice got its first chunk (the tasks finish at different times).
@@ -417,7 +418,7 @@ def _partial_usage(choice: ChoiceState) -> Usage | None:
 
 async def _pump(
     position: int,
-    stream: RoutedStream,
+    stream: RoutedStream | ResumingStream,
     queue: asyncio.Queue[tuple[int, GenerationChunk | None, BaseException | None]],
 ) -> None:
     try:
@@ -429,6 +430,17 @@ async def _pump(
         await queue.put((position, None, exc))
         return
     await queue.put((position, None, None))
+
+
+async def _open(
+    router: ModelRouter, request: GenerationRequest, pinned_backend: str | None
+) -> RoutedStream | ResumingStream:
+    """The routed stream of ``request``; one that resumes after a mid-stream failure when
+    its alias says so (``resume_on_failure``)."""
+    stream = await router.open(request, pinned_backend=pinned_backend)
+    if pinned_backend is None and router.resumes_on_failure(request.model) and can_resume(request):
+        return ResumingStream(router, request, stream)
+    return stream
 
 
 async def _report_open_failure(
@@ -447,7 +459,7 @@ async def _report_open_failure(
     )
 
 
-async def _settle(tasks: Sequence[asyncio.Future[RoutedStream]]) -> None:
+async def _settle(tasks: Sequence[asyncio.Future[RoutedStream | ResumingStream]]) -> None:
     """Cancel the tasks still opening and wait until every task has ended."""
     for task in tasks:
         if not task.done():
@@ -456,7 +468,7 @@ async def _settle(tasks: Sequence[asyncio.Future[RoutedStream]]) -> None:
 
 
 def _unopened(
-    requests: Sequence[GenerationRequest], tasks: Sequence[asyncio.Future[RoutedStream]]
+    requests: Sequence[GenerationRequest], tasks: Sequence[asyncio.Future[RoutedStream | ResumingStream]]
 ) -> list[GenerationRequest]:
     return [request for request, task in zip(requests, tasks, strict=True) if task.cancelled()]
 
@@ -474,7 +486,7 @@ async def _report_abandoned(hooks: PluginHooks, requests: Sequence[GenerationReq
 
 
 def _opened(
-    requests: Sequence[GenerationRequest], tasks: Sequence[asyncio.Future[RoutedStream]]
+    requests: Sequence[GenerationRequest], tasks: Sequence[asyncio.Future[RoutedStream | ResumingStream]]
 ) -> list[ChoiceState]:
     return [
         ChoiceState(request, task.result())

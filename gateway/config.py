@@ -93,6 +93,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     #: ``cache_aware``: a replica more than this factor above the least-loaded one (open
     #: streams, each counting the new request) loses its prefix affinity.
     cache_load_factor: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    #: A backend failing mid-stream (after the first byte) hands the answer to the next
+    #: backend of the alias, which continues it: from the same token ids when it serves
+    #: the same model, else from the partial text (gateway/stream_resume.py). Off: the
+    #: client gets an error frame, as before.
+    resume_on_failure: bool = False
 
 
 class PluginsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -424,6 +429,11 @@ def _validate(config: InfermuxConfig) -> None:
             if name in listed:
                 raise _fail(f"models[{i}].backends", f"backend {name!r} is listed twice")
             listed.add(name)
+        if model.resume_on_failure and (len(model.backends) < 2 or model.max_retries < 1):
+            raise _fail(
+                f"models[{i}].resume_on_failure",
+                "needs a backend to resume on: at least two backends and max_retries >= 1",
+            )
 
 
 #: Headers that carry credentials or session state: never handed to plugins as labels.

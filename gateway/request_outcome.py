@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from backends.base import GenerationRequest, Usage
 from backends.errors import GenerationAbortedError, InfermuxError
+from gateway.stream_resume import ResumingStream
 from plugins.request_summary import (
     ChoiceOutcome,
     ChoiceSummary,
@@ -135,6 +136,7 @@ def _choice_summary(clock: RequestClock, choice: ChoiceState) -> ChoiceSummary:
         phases=choice.phases,
         speculation=choice.speculation,
         output_text="".join(choice.text_parts) if choice.text_parts is not None else None,
+        backend_usages=tuple(choice.stream.segments) if isinstance(choice.stream, ResumingStream) else (),
     )
 
 

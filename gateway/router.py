@@ -18,8 +18,10 @@ For one request (one choice) the router
    to that backend.
 
 Once the first chunk exists the request is committed to that backend: the gateway may
-already be sending bytes to the client, so no retry ever happens after it. A failure later
-in the stream still counts against the circuit.
+already be sending bytes to the client, so no retry ever happens after it, unless the
+alias has ``resume_on_failure`` (then :meth:`ModelRouter.open_resumed` opens the next
+backend on the answer so far: gateway/stream_resume.py). A failure later in the stream
+still counts against the circuit.
 
 An upstream 429 with ``Retry-After`` is honoured: no request goes to that backend until the
 time has passed (they fall back to the others; with none left the client gets 429 with the
@@ -178,13 +180,21 @@ class CircuitBreaker:
 class _Route:
     """One alias: its candidates, strategy and retry budget."""
 
-    __slots__ = ("alias", "backend_names", "strategy", "max_retries")
+    __slots__ = ("alias", "backend_names", "strategy", "max_retries", "resume_on_failure")
 
-    def __init__(self, alias: str, backend_names: list[str], strategy: Any, max_retries: int):
+    def __init__(
+        self,
+        alias: str,
+        backend_names: list[str],
+        strategy: Any,
+        max_retries: int,
+        resume_on_failure: bool = False,
+    ):
         self.alias = alias
         self.backend_names = backend_names
         self.strategy = strategy
         self.max_retries = max_retries
+        self.resume_on_failure = resume_on_failure
 
 
 class ModelRouter:
@@ -233,7 +243,10 @@ class ModelRouter:
                     load_factor=model.cache_load_factor,
                     replicas={name: backends[name] for name in model.backends},
                 ))
-            self._routes[model.alias] = _Route(model.alias, list(model.backends), strategy, model.max_retries)
+            self._routes[model.alias] = _Route(
+                model.alias, list(model.backends), strategy, model.max_retries,
+                model.resume_on_failure,
+            )
         self._circuits: dict[str, CircuitBreaker] = {}
         for name, backend in backends.items():
             config = backend_configs.get(name)
@@ -298,16 +311,65 @@ class ModelRouter:
             ordered = [pinned_backend]
         else:
             ordered, request = await self._order(route, request)
+        return await self._open_first(route, ordered, request)
 
+    def resumes_on_failure(self, alias: str) -> bool:
+        """Does the alias continue an answer on its next backend after a mid-stream
+        failure (``resume_on_failure``: gateway/stream_resume.py)?"""
+        route = self._routes.get(alias)
+        return route is not None and route.resume_on_failure
+
+    async def open_resumed(
+        self,
+        request: GenerationRequest,
+        *,
+        exclude: Sequence[str],
+        adapt: Callable[[str, bool], GenerationRequest | None],
+        attempts: Sequence[Attempt] = (),
+    ) -> RoutedStream:
+        """Open the continuation of an answer whose backend failed mid-stream
+        (gateway/stream_resume.py) on another backend of the alias than ``exclude``.
+
+        ``adapt(name, honours_resume)`` gives the request for that backend, or None to skip
+        it. ``attempts``: the request's tries so far; they count against ``max_retries`` and
+        number the next ones. Raises as :meth:`open` does when no backend takes it.
+        """
+        route = self._routes[request.model]
+        ordered, request = await self._order(route, request)
+        ordered = [name for name in ordered if name not in exclude]
+        return await self._open_first(route, ordered, request, adapt, list(attempts))
+
+    def model_id(self, name: str) -> str | None:
+        """The id of the model ``name`` serves (None when it cannot say yet)."""
+        try:
+            return self._backends[name].model_info().id
+        except Exception:  # not started, or a remote that has not answered
+            return None
+
+    async def _open_first(
+        self,
+        route: _Route,
+        ordered: list[str],
+        request: GenerationRequest,
+        adapt: Callable[[str, bool], GenerationRequest | None] | None = None,
+        attempts: list[Attempt] | None = None,
+    ) -> RoutedStream:
+        """The stream of the first of ``ordered`` that sends a first chunk (retries, circuits)."""
         max_attempts = 1 + route.max_retries
-        attempts: list[Attempt] = []
+        attempts = attempts if attempts is not None else []
         last_error: InfermuxError | None = None
         refusal: InfermuxError | None = None
         for name in ordered:
             if len(attempts) >= max_attempts:
                 break
+            candidate = request
+            if adapt is not None:
+                adapted = adapt(name, self._backends[name].capabilities.resume)
+                if adapted is None:
+                    continue
+                candidate = adapted
             # A backend that cannot honour a parameter is skipped, not failed.
-            unsupported = unsupported_parameter(self._backends[name].capabilities, request, name)
+            unsupported = unsupported_parameter(self._backends[name].capabilities, candidate, name)
             if unsupported is not None:
                 refusal = refusal or unsupported
                 continue
@@ -315,7 +377,7 @@ class ModelRouter:
             if not circuit.try_acquire():
                 continue
             try:
-                stream = await self._attempt(name, circuit, request, attempts, route)
+                stream = await self._attempt(name, circuit, candidate, attempts, route)
             except InfermuxError as exc:  # not retryable: the client gets it now
                 if getattr(exc, "backend_name", None) is None:
                     exc.backend_name = name  # type: ignore[attr-defined]
@@ -325,6 +387,8 @@ class ModelRouter:
             last_error = attempts[-1].error
         if last_error is None and refusal is not None:
             raise refusal  # no candidate can honour the request
+        if last_error is None and not ordered:
+            raise BackendUnavailableError(f"no other backend of the model {route.alias!r} is left")
         if last_error is None:
             blocked = [self._circuits[n].seconds_blocked() for n in ordered]
             if blocked and all(wait > 0 for wait in blocked):
@@ -461,6 +525,7 @@ class ModelRouter:
 
         return RoutedStream(
             backend_name=name,
+            request_sent=request,
             attempts=attempts,
             first=first,
             stream=stream,
@@ -500,12 +565,15 @@ class RoutedStream:
         backend_name: str,
         attempts: list[Attempt],
         first: GenerationChunk,
+        request_sent: GenerationRequest | None = None,
         stream: AsyncIterator[GenerationChunk],
         on_done: Callable[[str, InfermuxError | None, Usage | None], None],
         idle_timeout: float | None = None,
         deadline: float | None = None,
     ) -> None:
         self.backend_name = backend_name
+        #: The request as this backend got it (a resumed answer's continuation).
+        self.request_sent = request_sent
         self.attempts = attempts
         self._first: GenerationChunk | None = first
         self._stream = stream

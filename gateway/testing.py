@@ -50,6 +50,7 @@ def gateway_config(
     models: Mapping[str, list[str]] | None = None,
     strategy: str = "priority",
     max_retries: int = 2,
+    resume_on_failure: tuple[str, ...] = (),
     server: ServerConfig | None = None,
     limits: LimitsConfig | None = None,
     plugins: PluginsConfig | None = None,
@@ -58,7 +59,8 @@ def gateway_config(
     """A validated config in one line: ``gateway_config(mock_backend("a"), mock_backend("b"))``.
 
     Without ``backends`` there is one mock backend named "mock"; without ``models`` one
-    alias "echo" is served by all backends in the given order.
+    alias "echo" is served by all backends in the given order. ``resume_on_failure``: the
+    aliases that continue an answer on the next backend after a mid-stream failure.
     """
     backend_list = list(backends) or [mock_backend()]
     if models is None:
@@ -71,6 +73,7 @@ def gateway_config(
                 "backends": list(names),
                 "strategy": strategy,
                 "max_retries": max_retries,
+                "resume_on_failure": alias in resume_on_failure,
             }
             for alias, names in models.items()
         ],

@@ -65,6 +65,10 @@ class ChoiceSummary(msgspec.Struct, frozen=True, kw_only=True):
     phases: EnginePhases | None = None
     #: Speculative decoding of the choice, from the backend's last chunk, or None.
     speculation: SpeculationStats | None = None
+    #: Each backend's share of ``usage`` when a backend failed mid-stream and the next one
+    #: continued the answer (``resume_on_failure``), in order: ``(backend name, usage)``;
+    #: empty when one backend produced the whole choice.
+    backend_usages: tuple[tuple[str, Usage], ...] = ()
     #: The generated text, only when the operator opted in to content capture
     #: (``[telemetry.tracing] record_content``); None otherwise.
     output_text: str | None = None
@@ -106,5 +110,12 @@ class RequestSummary(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def backend_names(self) -> list[str]:
-        """The backends that served choices, without repeats, in choice order."""
-        return list(dict.fromkeys(c.backend_name for c in self.choices if c.backend_name))
+        """The backends that served choices (each that worked on a resumed one), without
+        repeats, in choice order."""
+        names = (
+            name
+            for c in self.choices
+            for name in ([n for n, _ in c.backend_usages] or [c.backend_name])
+            if name
+        )
+        return list(dict.fromkeys(names))

@@ -230,6 +230,9 @@ class TracingPlugin:
         }
         if kind is not None:
             attributes["infermux.backend.kind"] = kind
+        if request.resume is not None:  # continues the answer a failed attempt began
+            attributes["infermux.resume.num_output_chars"] = len(request.resume.text)
+            attributes["infermux.resume.num_output_tokens"] = len(request.resume.token_ids)
         if info is not None and info.address is not None:
             attributes["server.address"] = info.address
             attributes["server.port"] = info.port

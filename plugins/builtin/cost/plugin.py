@@ -208,9 +208,12 @@ class CostPlugin:
             self._leave(pending, request.model, key)
         if not pending.attempted or self.ledger is None:
             return  # never reached a backend (refused, or every circuit open): no record
+        # A choice resumed on another backend (resume_on_failure): each backend's tokens
+        # at its own prices.
         cost = pending.hour_cost + sum(
-            self.prices.token_cost(request.model, choice.backend_name, choice.usage)
+            self.prices.token_cost(request.model, name, usage)
             for choice in summary.choices
+            for name, usage in (choice.backend_usages or ((choice.backend_name, choice.usage),))
         )
         summary.attributes["infermux.cost"] = cost
         record = _record(summary, cost, pending.last_backend)
