@@ -512,17 +512,18 @@ class ModelRouter:
         first_at = time.monotonic()
         attempts.append(Attempt(backend_name=name, error=None, duration_s=first_at - started))
         self._hooks.on_attempt_end(request=request, backend_name=name, attempt=attempt, error=None)
-        on_done = self._on_stream_done
+        on_done: Callable[[str, InfermuxError | None, Usage | None], None] = self._on_stream_done
         observe = getattr(route.strategy, "observe", None) if route is not None else None
         if callable(observe):  # the strategy learns each backend's TTFT and TPOT
 
-            def on_done(name: str, error: InfermuxError | None, usage: Usage | None) -> None:
+            def observed(name: str, error: InfermuxError | None, usage: Usage | None) -> None:
                 self._on_stream_done(name, error, usage)
                 if error is None:
                     tokens = usage.completion_tokens if usage is not None else 0
                     tpot = (time.monotonic() - first_at) / (tokens - 1) if tokens > 1 else None
                     observe(name, ttft_s=first_at - started, tpot_s=tpot)
 
+            on_done = observed
         return RoutedStream(
             backend_name=name,
             request_sent=request,

@@ -115,7 +115,7 @@ class RequestSummary(msgspec.Struct, frozen=True, kw_only=True):
         names = (
             name
             for c in self.choices
-            for name in ([n for n, _ in c.backend_usages] or [c.backend_name])
+            for name in ([n for n, _ in c.backend_usages] or [c.backend_name or ""])
             if name
         )
         return list(dict.fromkeys(names))
