@@ -33,6 +33,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	scripts/install_test_services.sh
 	$(VENV)/bin/ruff check gateway backends plugins core_engine tests
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -30,7 +30,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from core_engine.cpu_features import cpu_flags
-from core_engine.model.architectures import Architecture, architecture, architectures
+from core_engine.model.architecture import Architecture
+from core_engine.model.architectures import architecture, architectures, decoder_layer_class
 from core_engine.model.block_weights import (
     BlockWeight,
     concat_rows,
@@ -175,7 +176,7 @@ class GGUFFile:
         vocab_size = int(self._arch_key("vocab_size", len(tokens) if tokens else embed_rows))
         if vocab_size != embed_rows:
             raise GGUFLoadError(f"{self.path}: vocab_size {vocab_size} != token_embd rows {embed_rows}")
-        moe = {}
+        moe: dict[str, Any] = {}
         if self.arch_spec.moe or self._arch_key("expert_count"):  # qwen3moe; llama files with experts (Mixtral)
             expert_ff = self._arch_key("expert_feed_forward_length") or self._arch_key("feed_forward_length", required=True)
             moe = {
@@ -282,7 +283,10 @@ class GGUFBlockSource:
         cfg = self.config
         permuted = self.gguf_file.arch_spec.permuted_qk_rows
         if name == "head":
-            return [("output.weight" if self.gguf_file.has_tensor("output.weight") else "token_embd.weight", None)]
+            head: list[tuple[str, int | None]] = [
+                ("output.weight" if self.gguf_file.has_tensor("output.weight") else "token_embd.weight", None)
+            ]
+            return head
         _, idx, product = name.split(".")
         prefix = f"blk.{idx}."
         if product == "experts_gate_up":  # stacked (experts, rows, cols): interleaved per expert
@@ -290,15 +294,19 @@ class GGUFBlockSource:
         if product == "experts_down":
             return [(prefix + "ffn_down_exps.weight", None)]
         if self.gguf_file.arch_spec.fused_projections:
-            return {"qkv": [(prefix + "attn_qkv.weight", None)], "o": [(prefix + "attn_output.weight", None)],
-                    "gate_up": [(prefix + "ffn_up.weight", None)], "down": [(prefix + "ffn_down.weight", None)]}[product]
-        return {
+            fused: dict[str, list[tuple[str, int | None]]] = {
+                "qkv": [(prefix + "attn_qkv.weight", None)], "o": [(prefix + "attn_output.weight", None)],
+                "gate_up": [(prefix + "ffn_up.weight", None)], "down": [(prefix + "ffn_down.weight", None)],
+            }
+            return fused[product]
+        split: dict[str, list[tuple[str, int | None]]] = {
             "qkv": [(prefix + "attn_q.weight", cfg.num_heads if permuted else None),
                     (prefix + "attn_k.weight", cfg.num_kv_heads if permuted else None), (prefix + "attn_v.weight", None)],
             "o": [(prefix + "attn_output.weight", None)],
             "gate_up": [(prefix + "ffn_gate.weight", None), (prefix + "ffn_up.weight", None)],
             "down": [(prefix + "ffn_down.weight", None)],
-        }[product]
+        }
+        return split[product]
 
     def natural_format(self, name: str) -> str:
         """What ``weight_format = "auto"`` stores product ``name`` as: int4 when all its
@@ -435,6 +443,7 @@ def load_model(
             device=device,
             qkv_bias=gguf_file.has_tensor("blk.0.attn_q.bias"),
             rope_freq_factors=freq_factors,
+            layer_class=decoder_layer_class(config),
         )
         steps = tqdm(
             total=config.num_layers + 1, desc=f"loading {gguf_file.path.name}", unit="layer",

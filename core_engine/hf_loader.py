@@ -21,7 +21,7 @@ import msgspec
 import torch
 from torch import Tensor
 
-from core_engine.model.architectures import architecture, architectures
+from core_engine.model.architectures import architecture, architectures, decoder_layer_class
 from core_engine.model.config import LlamaConfig, RopeScaling
 from core_engine.model.llama import LlamaModel
 from core_engine.tokenizer.hf import HFTokenizer
@@ -224,7 +224,8 @@ def load_hf_model(
     with torch.no_grad():
         bias = any(f"model.layers.0.self_attn.{n}.bias" in tensors for n in ("q_proj", "qkv_proj"))
         model = LlamaModel(
-            config, dtype=dtype, device=device, qkv_bias=bias, rope_freq_factors=_freq_factors(directory, config, max_model_len)
+            config, dtype=dtype, device=device, qkv_bias=bias,
+            rope_freq_factors=_freq_factors(directory, config, max_model_len), layer_class=decoder_layer_class(config),
         )
         model.embed_tokens.copy_(tensors.get("model.embed_tokens.weight"))
         model.norm.copy_(norm("model.norm.weight"))

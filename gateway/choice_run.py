@@ -21,16 +21,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from backends.base import EnginePhases, GenerationChunk, GenerationRequest, SpeculationStats, Usage
+from backends.base import GenerationChunk, GenerationRequest, Usage
 from backends.errors import (
     GenerationAbortedError,
     InfermuxError,
     ModelNotFoundError,
 )
+from gateway.choice_state import ChoiceState
 from gateway.errors import to_infermux_error
 from gateway.request_outcome import RequestClock, failure_summary, run_summary
 from gateway.schemas import CompletionTokensDetails, PromptTokensDetails, UsageInfo
@@ -40,65 +40,12 @@ if TYPE_CHECKING:
     from gateway.router import ModelRouter, RoutedStream
     from plugins.manager import PluginHooks
 
-__all__ = ["ChoiceRun", "ChoiceState"]
+__all__ = ["ChoiceRun"]
 
 logger = logging.getLogger("gateway")
 
 # Chunks buffered per request when the client reads slower than the backends produce.
 _MERGE_QUEUE_SIZE = 64
-
-
-class ChoiceState:
-    """One choice: the request the backend saw, its stream, and how it ended."""
-
-    __slots__ = (
-        "request",
-        "stream",
-        "usage",
-        "finish_reason",
-        "outcome",
-        "error",
-        "num_streamed_tokens",
-        "first_chunk_at",
-        "last_output_at",
-        "output_gaps",
-        "phases",
-        "speculation",
-        "text_parts",
-    )
-
-    def __init__(
-        self,
-        request: GenerationRequest,
-        stream: RoutedStream | ResumingStream,
-        *,
-        first_chunk_at: float | None = None,
-        capture_output: bool = False,
-    ) -> None:
-        self.request = request
-        self.stream = stream
-        #: The router returns a stream once its first chunk exists: that moment (monotonic).
-        self.first_chunk_at = first_chunk_at if first_chunk_at is not None else time.monotonic()
-        self.last_output_at: float | None = None
-        #: Seconds between consecutive chunks that carried output (inter-token latency).
-        self.output_gaps = array("d")
-        #: Engine phases from the backend's last chunk (core engine), for tracing.
-        self.phases: EnginePhases | None = None
-        #: Speculative decoding figures from the backend's last chunk, for tracing.
-        self.speculation: SpeculationStats | None = None
-        #: The output text, kept only when content capture is on (tracing record_content).
-        self.text_parts: list[str] | None = [] if capture_output else None
-        self.usage: Usage | None = None
-        self.finish_reason: str | None = None
-        #: Output tokens seen so far (token ids, else one per text chunk): partial usage.
-        self.num_streamed_tokens = 0
-        #: "open" -> "finished" | "failed" | "aborted".
-        self.outcome = "open"
-        self.error: InfermuxError | None = None
-
-    @property
-    def backend_name(self) -> str:
-        return self.stream.backend_name
 
 
 class ChoiceRun:

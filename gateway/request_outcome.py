@@ -23,7 +23,7 @@ from plugins.request_summary import (
 )
 
 if TYPE_CHECKING:
-    from gateway.choice_run import ChoiceState
+    from gateway.choice_state import ChoiceState
 
 __all__ = ["RequestClock", "failure_summary", "run_summary"]
 

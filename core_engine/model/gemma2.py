@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core_engine.attention import AttentionContext
-from core_engine.model.architectures import Architecture
+from core_engine.model.architecture import Architecture
 from core_engine.model.config import LlamaConfig
 from core_engine.model.llama import LlamaDecoderLayer, layer_weight
 from core_engine.model.norm import rms_norm

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from core_engine.model.architectures import Architecture
+from core_engine.model.architecture import Architecture
 from core_engine.model.config import LlamaConfig, RopeScaling
 from core_engine.model.gemma2 import (
     GemmaDecoderLayer,

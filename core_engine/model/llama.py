@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core_engine.attention import AttentionContext, LayerAttention
-from core_engine.model.architectures import Architecture, architecture
+from core_engine.model.architecture import Architecture
 from core_engine.model.block_weights import BlockSource
 from core_engine.model.config import LlamaConfig
 from core_engine.model.linear import (
@@ -165,6 +166,9 @@ class LlamaModel(nn.Module):
 
     #: Layer type built by the constructor (subclasses swap in their own numerics).
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    #: An ``nn.ModuleList`` of decoder layers whose class (and so attributes) varies with the
+    #: architecture; typed loosely so that loaders and packers reach their weights.
+    layers: Any
 
     def __init__(
         self,
@@ -174,12 +178,16 @@ class LlamaModel(nn.Module):
         device: torch.device | str = "cpu",
         qkv_bias: bool = False,
         rope_freq_factors: Tensor | None = None,
+        layer_class: type[LlamaDecoderLayer] | None = None,
     ) -> None:
+        """``layer_class``: the decoder layer of the architecture
+        (:func:`core_engine.model.architectures.decoder_layer_class`; the loaders pass it);
+        None: plain Llama layers."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.embed_tokens = layer_weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        layer_class = self._layer_class(config)
+        layer_class = self._layer_class(config, layer_class)
         self.layers = nn.ModuleList(
             layer_class(config, dtype=dtype, device=device, qkv_bias=qkv_bias) for _ in range(config.num_layers)
         )
@@ -207,25 +215,16 @@ class LlamaModel(nn.Module):
         #: The file's blocks for the int4/int8 formats (set by the GGUF loader).
         self.block_source: BlockSource | None = None
 
-    def _layer_class(self, config: LlamaConfig) -> type[LlamaDecoderLayer]:
-        """The decoder layer of ``config``'s architecture: its module's own class, or the
-        Llama layer with q/k norms (Qwen3) and/or a mixture of experts."""
-        spec = architecture(config.architecture)
-        special = spec is not None and spec.layer_class is not None
+    def _layer_class(self, config: LlamaConfig, given: type[LlamaDecoderLayer] | None) -> type[LlamaDecoderLayer]:
         if self.decoder_layer_class is not LlamaDecoderLayer:  # a numerics subclass: plain Llama layers only
-            if config.qk_norm or config.num_experts or special:
+            if given not in (None, LlamaDecoderLayer):
                 raise ValueError(f"{type(self).__name__} runs plain Llama layers only, not {config.architecture}'s")
             return self.decoder_layer_class
-        if special:
-            return spec.layer_class  # type: ignore[union-attr, return-value]
-        if not (config.qk_norm or config.num_experts):
+        if given is None:
+            if config.qk_norm or config.num_experts:
+                raise ValueError(f"{config.architecture}: its layers are not Llama's; pass its layer_class")
             return LlamaDecoderLayer
-        from core_engine.model.moe import MoEDecoderLayer, QKNormMoEDecoderLayer
-        from core_engine.model.qwen3 import QKNormDecoderLayer
-
-        return {
-            (True, True): QKNormMoEDecoderLayer, (False, True): MoEDecoderLayer, (True, False): QKNormDecoderLayer,
-        }[(config.qk_norm, bool(config.num_experts))]
+        return given
 
     #: The names :meth:`set_weight_format` matches ``layer_formats`` against (per layer: the
     #: layer class's ``PRODUCTS``; MoE layers have no gate_up/down products).
@@ -277,13 +276,13 @@ class LlamaModel(nn.Module):
             if hasattr(layer, "experts_gate_up_proj"):
                 layer.experts_gate_up_proj = layer.experts_down_proj = None
         head_format = formats["head"]
-        self.head = _pack(head_format, "head", self.lm_head, None, source)
+        self.head = _pack(head_format, "head", self.lm_head, None, source)  # type: ignore[assignment]  # any Linear
         refine = head_format in ("int8", "int4") and self.config.tie_word_embeddings
         if refine:
             # The embedding table (kept for lookups) holds the exact rows of a tied head.
-            self.head = TopKRefinedLinear(self.head, self.lm_head.detach())
+            self.head = TopKRefinedLinear(self.head, self.embed_tokens.detach())  # tied: the same rows
         if not self.config.tie_word_embeddings and head_format != "dense":
-            self.lm_head = None
+            self.lm_head = None  # type: ignore[assignment]  # the packed head holds its rows
         self.weight_format = resolved
         self.layer_formats = {n: f for n, f in formats.items() if f != resolved}
         return resolved
@@ -314,8 +313,10 @@ class LlamaModel(nn.Module):
 
         def add(tensor: Tensor | None) -> None:
             nonlocal total
-            key = None if tensor is None else tensor.untyped_storage().data_ptr()
-            if tensor is not None and key not in seen:  # one count per storage (tied views)
+            if tensor is None:
+                return
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:  # one count per storage (tied views)
                 seen.add(key)
                 total += tensor.untyped_storage().nbytes()
 
@@ -330,7 +331,7 @@ class LlamaModel(nn.Module):
                     add(part.weight)
                     add(part.bias)
                 else:
-                    total += part.nbytes
+                    total += part.nbytes  # type: ignore[attr-defined]  # every packed Linear has nbytes
         return total
 
     @property

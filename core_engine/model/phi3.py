@@ -5,6 +5,6 @@ the set is chosen by the engine's context window (:func:`core_engine.model.rope.
 
 from __future__ import annotations
 
-from core_engine.model.architectures import Architecture
+from core_engine.model.architecture import Architecture
 
 ARCHITECTURE = Architecture(name="phi3", permuted_qk_rows=False, fused_projections=True)

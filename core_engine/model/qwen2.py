@@ -3,6 +3,6 @@ when the file has them) and NeoX RoPE, so its q/k rows stay in Hugging Face's or
 
 from __future__ import annotations
 
-from core_engine.model.architectures import Architecture
+from core_engine.model.architecture import Architecture
 
 ARCHITECTURE = Architecture(name="qwen2", permuted_qk_rows=False)

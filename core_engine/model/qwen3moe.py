@@ -3,6 +3,6 @@ experts in every layer instead of the dense FFN (:mod:`core_engine.model.moe`)."
 
 from __future__ import annotations
 
-from core_engine.model.architectures import Architecture
+from core_engine.model.architecture import Architecture
 
 ARCHITECTURE = Architecture(name="qwen3moe", permuted_qk_rows=False, qk_norm=True, moe=True)

@@ -25,8 +25,8 @@ import pytest
 from backends.base import BackendConfig, GenerationChunk, GenerationRequest
 from backends.errors import BackendUnavailableError
 from gateway.config import ConfigError, config_from_dict
-from gateway.observability_config import CostConfig, PriceConfig
 from gateway.testing import LiveGateway, gateway_config
+from plugins.builtin.cost.config import CostConfig, PriceConfig
 from plugins.hookspecs import hookimpl
 from plugins.manager import create_plugin_manager
 
