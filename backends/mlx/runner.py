@@ -160,7 +160,7 @@ class MLXRunner:
                     return llguidance_tokenizer(core, n_vocab, eos)
                 from llguidance.hf import from_tokenizer
 
-                return from_tokenizer(tokenizer.hf, n_vocab=n_vocab, eos_token=eos)  # the HF tokenizer
+                return from_tokenizer(tokenizer.hf, n_vocab=n_vocab, eos_token=eos)  # type: ignore[attr-defined]  # the HF tokenizer of a non-GGUF MLX model
 
             self._grammars = GrammarCompiler(make_tokenizer)
         try:
