@@ -149,17 +149,7 @@ def test_connect_timeout_is_504_and_falls_back(
         remote("a", full_backlog_url, connect_timeout=0.3), remote("b", b.base_url)
     )
     with live_gateway(config) as gw:
-        assert ask(gw).headers["x-infermux-backend"] == "b"
-        pinned = httpx.post(
-            f"{gw}/v1/chat/completions",
-            json={"model": "remote", "messages": [{"role": "user", "content": "x"}]},
-            headers={"x-infermux-backend": "a"},
-            timeout=60,
-        )
-        error = envelope(pinned, 504)
-        assert error["code"] == "upstream_timeout"
-        assert "connect" in error["message"]
-        assert_still_serving(gw)
+        assert_connect_timeout_falls_back_to_b(gw)
 
 
 # -- first-byte timeout ---------------------------------------------------------------------
@@ -453,3 +443,19 @@ def test_client_disconnect_before_the_first_byte_aborts_upstream(
         assert all(isinstance(r["error"], GenerationAbortedError) for r in recorder.errors)
         assert circuits(gw)["a"] == "closed"  # a client leaving is not the backend's fault
         assert_still_serving(gw)
+
+
+def assert_connect_timeout_falls_back_to_b(gw: Any) -> None:
+    """Backend "a" cannot be connected to: requests go to "b"; pinned to "a" they get a 504
+    naming the connect timeout; the gateway still serves."""
+    assert ask(gw).headers["x-infermux-backend"] == "b"
+    pinned = httpx.post(
+        f"{gw}/v1/chat/completions",
+        json={"model": "remote", "messages": [{"role": "user", "content": "x"}]},
+        headers={"x-infermux-backend": "a"},
+        timeout=60,
+    )
+    error = envelope(pinned, 504)
+    assert error["code"] == "upstream_timeout"
+    assert "connect" in error["message"]
+    assert_still_serving(gw)

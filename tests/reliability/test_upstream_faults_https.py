@@ -18,6 +18,7 @@ import pytest
 from reliability_util import assert_still_serving, envelope
 from test_upstream_faults import (  # noqa: F401  (collected here again, over TLS)
     ask,
+    assert_connect_timeout_falls_back_to_b,
     config_with,
     remote,
     test_a_dropped_connection_falls_back_before_the_first_byte,
@@ -79,17 +80,7 @@ def test_a_handshake_that_never_completes_is_a_connect_timeout_and_falls_back(
     b = upstream_servers(name="b")
     config = config_with(remote("a", silent_tls_url, connect_timeout=0.3), remote("b", b.base_url))
     with live_gateway(config) as gw:
-        assert ask(gw).headers["x-infermux-backend"] == "b"
-        pinned = httpx.post(
-            f"{gw}/v1/chat/completions",
-            json={"model": "remote", "messages": [{"role": "user", "content": "x"}]},
-            headers={"x-infermux-backend": "a"},
-            timeout=60,
-        )
-        error = envelope(pinned, 504)
-        assert error["code"] == "upstream_timeout"
-        assert "connect" in error["message"]
-        assert_still_serving(gw)
+        assert_connect_timeout_falls_back_to_b(gw)
 
 
 def test_an_untrusted_certificate_fails_at_once_naming_the_certificate(
