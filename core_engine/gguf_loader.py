@@ -41,7 +41,6 @@ from core_engine.model.block_weights import (
 )
 from core_engine.model.config import LlamaConfig, RopeScaling
 from core_engine.model.llama import LlamaModel
-from core_engine.model.llamacpp_numerics import NUMERICS, LlamaCppModel, attach_llamacpp_numerics
 from core_engine.model.quant import dequantize
 from core_engine.model.rope import longrope_freq_factors
 from core_engine.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
@@ -391,7 +390,6 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     show_progress: bool | None = None,
-    numerics: str = "exact",
     max_model_len: int | None = None,
 ) -> tuple[LlamaModel, LlamaConfig, Tokenizer]:
     """Read ``path`` (a GGUF file, or a Hugging Face checkpoint directory:
@@ -400,44 +398,29 @@ def load_model(
     ``dtype``: compute/storage dtype of the weights (``None``: :func:`preferred_dtype`).
     ``show_progress``: a tqdm bar per layer (``None``: only on a terminal); the start and the
     end of the load are logged either way.
-    ``numerics``: ``"exact"`` (default) multiplies the exactly dequantised weights;
-    ``"llamacpp"`` builds a :class:`~core_engine.model.llamacpp_numerics.LlamaCppModel` that
-    reproduces llama.cpp's CPU arithmetic (8-bit activations, F16 KV; fp32 only) for oracle
-    comparisons.
     ``max_model_len``: the engine's context window (None: the trained context length, as
     :class:`~core_engine.config.EngineConfig` takes it); LongRoPE models choose their long or
     short factors by it.
     """
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
     from core_engine.hf_loader import is_hf_checkpoint, load_hf_model
 
     if is_hf_checkpoint(path):  # a Hugging Face checkpoint directory instead of a GGUF file
-        if numerics != "exact":
-            raise ValueError("numerics='llamacpp' needs a GGUF file")
         return load_hf_model(  # type: ignore[return-value]
             path, dtype=dtype or preferred_dtype(device), device=device, max_model_len=max_model_len
         )
-    if numerics == "llamacpp" and GGUFFile(path).architecture != "llama":
-        raise ValueError("numerics='llamacpp' reproduces llama.cpp's arithmetic for the llama architecture only")
-    if numerics == "llamacpp" and dtype not in (None, torch.float32):
-        raise ValueError(f"dtype must be torch.float32 (or None) with numerics='llamacpp'; got {dtype}")
     started = time.perf_counter()
     gguf_file = GGUFFile(path)
     config = gguf_file.llama_config()
     tokenizer = gguf_file.tokenizer()
-    dtype = torch.float32 if numerics == "llamacpp" else dtype or preferred_dtype(device)
-    model_class = LlamaCppModel if numerics == "llamacpp" else LlamaModel
+    dtype = dtype or preferred_dtype(device)
     logger.info(
         "loading %s (%s, %d layers, hidden %d) as %s on %s",
         gguf_file.path.name, config.name or config.architecture, config.num_layers,
         config.hidden_size, dtype, device,
     )
-    if numerics == "llamacpp" and config.rope_scaling is not None and config.rope_scaling.kind == "longrope":
-        raise ValueError("numerics='llamacpp' does not reproduce LongRoPE")
     freq_factors = gguf_file.rope_freq_factors(config, max_model_len)
     with torch.no_grad():
-        model = model_class(
+        model = LlamaModel(
             config,
             dtype=dtype,
             device=device,
@@ -458,8 +441,6 @@ def load_model(
             for idx in range(config.num_layers):
                 _fill_layer(model, gguf_file, idx)
                 steps.update(1)
-        if isinstance(model, LlamaCppModel):
-            attach_llamacpp_numerics(model, gguf_file)
     model.eval()
     model.block_source = GGUFBlockSource(gguf_file, config)
     logger.info("loaded %s in %.1f s", gguf_file.path.name, time.perf_counter() - started)

@@ -129,20 +129,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-#: Cycles known and owed: each goes with the code named (and this entry with it; the test
-#: fails if a listed cycle is gone, so the list cannot outlive its reason).
-OWED = {
-    # the bit-for-bit llama.cpp emulation (numerics = "llamacpp"), to be removed (issue 23)
-    ("core_engine.gguf_loader", "core_engine.model.llamacpp_numerics"),
-}
-
-
 def test_no_module_imports_itself_back() -> None:
     graph = _graph()
-    found = _cycles(graph)
-    owed = [c for c in found if tuple(c) in OWED]
-    assert len(owed) == len(OWED), f"a cycle listed in OWED is gone; drop its entry: {sorted(OWED)}"
-    cycles = [c for c in found if tuple(c) not in OWED]
+    cycles = _cycles(graph)
     described = [
         " <-> ".join(c) + ": " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c)
         for c in cycles

@@ -61,12 +61,8 @@ class MLXOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     n_ctx: int | None = None
     #: Float type of activations, float weights and quantization scales. None: float32 on
     #: the CPU (MLX's CPU kernels for half-precision quantized matmuls are very slow),
-    #: float16 on a GPU (always float32 with ``numerics = "llamacpp"``).
+    #: float16 on a GPU.
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
-    #: "exact": multiply the exactly dequantized weights. "llamacpp" (GGUF files only):
-    #: round like llama.cpp's CPU backend (8-bit activation blocks, float16 KV cache), to
-    #: reproduce its outputs; several times slower, computed on the CPU.
-    numerics: Literal["exact", "llamacpp"] = "exact"
     #: Prompt tokens per prefill step (cancellation is checked between steps).
     prefill_step_size: int = 512
     #: Keep the last request's KV cache and reuse its common prefix with the next prompt.
@@ -93,11 +89,6 @@ class MLXBackend:
             raise ValueError(f"{prefix}.n_ctx: must be at least 16")
         if self.options.prefill_step_size < 1:
             raise ValueError(f"{prefix}.prefill_step_size: must be at least 1")
-        if self.options.numerics == "llamacpp" and self.options.dtype not in (None, "float32"):
-            raise ValueError(
-                f"{prefix}.dtype: numerics = 'llamacpp' computes in float32; got "
-                f"{self.options.dtype!r}"
-            )
         self.capabilities = Capabilities(
             logprobs=True,
             echo=False,
@@ -138,12 +129,11 @@ class MLXBackend:
             self._shutdown_executor()
             raise
         logger.info(
-            "backend %s: loaded %s in %.1f s (n_ctx=%d, numerics=%s)",
+            "backend %s: loaded %s in %.1f s (n_ctx=%d)",
             self.name,
             path.name,
             time.monotonic() - started,
             self._runner.n_ctx,
-            self.options.numerics,
         )
 
     def _resolve_model_path(self) -> Path:
@@ -172,23 +162,17 @@ class MLXBackend:
 
         from backends.mlx.runner import MLXRunner
 
-        numerics = self.options.numerics
         dtype_name = self.options.dtype
         if dtype_name is None:
             on_cpu = mx.default_device().type == mx.cpu
-            dtype_name = "float32" if on_cpu or numerics == "llamacpp" else "float16"
+            dtype_name = "float32" if on_cpu else "float16"
         dtype = getattr(mx, dtype_name)
-        if numerics == "llamacpp" and not path.is_file():
-            raise BackendUnavailableError(
-                f"backend {self.name!r}: numerics = 'llamacpp' reproduces llama.cpp on a GGUF "
-                f"file; {path} is a directory"
-            )
         try:
             if path.is_file():
                 from backends.mlx.gguf_loader import load_gguf_model
                 from backends.mlx.tokenizer import load_gguf_tokenizer
 
-                loaded = load_gguf_model(path, dtype=dtype, numerics=numerics)
+                loaded = load_gguf_model(path, dtype=dtype)
                 model, context_length = loaded.model, loaded.context_length
                 tokenizer = load_gguf_tokenizer(path, loaded.metadata)
             else:

@@ -14,8 +14,8 @@ undoing the permutation (which would also have to reorder quantized rows), the m
 MLX's interleaved RoPE (``rope_traditional=True``) on the weights as stored: the same
 attention scores, no weight rewriting.
 
-``numerics="llamacpp"`` swaps the built model's layers for ones that round like llama.cpp's
-CPU backend (see :mod:`backends.mlx.llamacpp_numerics`).
+Agreement with llama.cpp on the same file is judged by tolerances (top-1, greedy text), not by
+reproducing its roundings (``tests/backends/test_mlx_agreement.py``).
 """
 
 from __future__ import annotations
@@ -31,13 +31,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
-
-from backends.mlx.llamacpp_numerics import (
-    NUMERICS,
-    GGMLRoPETables,
-    Numerics,
-    use_llamacpp_numerics,
-)
 
 __all__ = ["GGUFLoadError", "GGUFModel", "load_gguf_model", "read_gguf"]
 
@@ -94,21 +87,12 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any], bool]:
     return tensors, {key: _python_value(value) for key, value in raw_metadata.items()}, False
 
 
-def load_gguf_model(
-    path: Path, *, dtype: mx.Dtype = mx.float32, numerics: Numerics = "exact"
-) -> GGUFModel:
+def load_gguf_model(path: Path, *, dtype: mx.Dtype = mx.float32) -> GGUFModel:
     """Build mlx-lm's Llama model from ``path``; floats (and quantization scales) in ``dtype``.
 
-    ``numerics``: ``"exact"`` multiplies the exactly dequantized weights; ``"llamacpp"``
-    computes what llama.cpp's CPU backend computes on the same file (8-bit activation blocks,
-    float16 KV cache; float32 only, several times slower).
     Raises :class:`GGUFLoadError` for architectures or tensor layouts it does not know.
     """
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
-    if numerics == "llamacpp" and dtype != mx.float32:
-        raise ValueError(f"numerics='llamacpp' computes in float32; got dtype {dtype}")
-    tensors, metadata, dequantized = read_gguf(path)
+    tensors, metadata, _ = read_gguf(path)
     architecture = metadata.get("general.architecture")
     if architecture not in _LLAMA_ARCHITECTURES:
         raise GGUFLoadError(
@@ -126,13 +110,6 @@ def load_gguf_model(
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise GGUFLoadError(f"{path.name}: tensors do not fit a Llama model: {exc}") from exc
-    if numerics == "llamacpp":
-        if dequantized:
-            raise GGUFLoadError(
-                f"{path.name}: numerics='llamacpp' emulates llama.cpp's Q4_0/Q4_1/Q8_0 kernels; "
-                "this file has tensor types MLX cannot read"
-            )
-        use_llamacpp_numerics(model, _ggml_types(path), _rope_tables(args, tensors))
     model.eval()
     mx.eval(model.parameters())
     return GGUFModel(model, args, metadata)
@@ -239,31 +216,6 @@ def _use_rope_factors(model: nn.Module, args: llama.ModelArgs, factors: mx.array
     rope = _FactorRoPE(head_dim, args.rope_theta, factors)
     for layer in model.model.layers:
         layer.self_attn.rope = rope
-
-
-def _ggml_types(path: Path) -> dict[str, gguf.GGMLQuantizationType]:
-    """The GGML type of each weight matrix of ``path``, by mlx-lm module path."""
-    reader = gguf.GGUFReader(str(path))
-    return {
-        _module_name(tensor.name.removesuffix(".weight")): tensor.tensor_type
-        for tensor in reader.tensors
-        if tensor.name.endswith(".weight") and tensor.name != "rope_freqs.weight"
-    }
-
-
-def _rope_tables(args: llama.ModelArgs, tensors: Mapping[str, mx.array]) -> GGMLRoPETables:
-    """ggml's RoPE tables for the model: its base, linear scaling and ``rope_freqs`` factors."""
-    head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
-    freq_scale = 1.0
-    if args.rope_scaling is not None:  # only "linear" gets past _model_args
-        freq_scale = float(np.float32(1.0) / np.float32(args.rope_scaling["factor"]))
-    factors = tensors.get("rope_freqs.weight")
-    return GGMLRoPETables(
-        head_dim,
-        args.rope_theta,
-        freq_scale,
-        None if factors is None else np.array(factors.astype(mx.float32)),
-    )
 
 
 def _python_value(value: Any) -> Any:

@@ -164,8 +164,6 @@ class LlamaModel(nn.Module):
     (uninitialised) weights of the right shapes.
     """
 
-    #: Layer type built by the constructor (subclasses swap in their own numerics).
-    decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
     #: An ``nn.ModuleList`` of decoder layers whose class (and so attributes) varies with the
     #: architecture; typed loosely so that loaders and packers reach their weights.
     layers: Any
@@ -187,7 +185,10 @@ class LlamaModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.embed_tokens = layer_weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        layer_class = self._layer_class(config, layer_class)
+        if layer_class is None:
+            if config.qk_norm or config.num_experts:
+                raise ValueError(f"{config.architecture}: its layers are not Llama's; pass its layer_class")
+            layer_class = LlamaDecoderLayer
         self.layers = nn.ModuleList(
             layer_class(config, dtype=dtype, device=device, qkv_bias=qkv_bias) for _ in range(config.num_layers)
         )
@@ -214,17 +215,6 @@ class LlamaModel(nn.Module):
         self.layer_formats: dict[str, str] = {}
         #: The file's blocks for the int4/int8 formats (set by the GGUF loader).
         self.block_source: BlockSource | None = None
-
-    def _layer_class(self, config: LlamaConfig, given: type[LlamaDecoderLayer] | None) -> type[LlamaDecoderLayer]:
-        if self.decoder_layer_class is not LlamaDecoderLayer:  # a numerics subclass: plain Llama layers only
-            if given not in (None, LlamaDecoderLayer):
-                raise ValueError(f"{type(self).__name__} runs plain Llama layers only, not {config.architecture}'s")
-            return self.decoder_layer_class
-        if given is None:
-            if config.qk_norm or config.num_experts:
-                raise ValueError(f"{config.architecture}: its layers are not Llama's; pass its layer_class")
-            return LlamaDecoderLayer
-        return given
 
     #: The names :meth:`set_weight_format` matches ``layer_formats`` against (per layer: the
     #: layer class's ``PRODUCTS``; MoE layers have no gate_up/down products).

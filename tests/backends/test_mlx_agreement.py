@@ -9,11 +9,8 @@ test therefore holds MLX to the bar llama.cpp sets for itself, and requires ever
 disagreement to be a near-tie, which a loading error (wrong RoPE layout, swapped tensors)
 would break at once.
 
-With ``numerics="llamacpp"`` MLX rounds as llama.cpp does (``backends/mlx/llamacpp_numerics``)
-and must agree on at least 98% of the positions. The emulated kernels are llama.cpp's x86
-AVX512 ones: there the logits match llama.cpp's up to float32 rounding of the LM head (the
-tests check that too); on other CPUs llama.cpp sums in other orders and only the exact-mode
-bar is asserted.
+The served model (the backend's own path, greedy tokens with logprobs) is held to the same
+file's llama.cpp logprobs within a tolerance, not to its roundings.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from backends.base import BackendConfig, GenerationRequest, SamplingParams
 from backends.default_model import default_model_path
 from backends.mlx import create_backend
 from backends.mlx.gguf_loader import load_gguf_model
-from tests.backends.test_mlx_gguf_loader import EMULATED_CPU, LLAMACPP_NUMERICS_TOLERANCE
 
 pytestmark = pytest.mark.slow
 
@@ -98,31 +94,11 @@ def test_teacher_forced_top1_agrees_with_llamacpp_on_the_same_file() -> None:
     assert (gaps[disagree] < NEAR_TIE).all(), report
 
 
-def test_llamacpp_numerics_agree_with_llamacpp_on_98_percent_of_positions() -> None:
-    tokens = _tokens()
-    reference = _llamacpp_logits(tokens)
-    model = load_gguf_model(default_model_path(), numerics="llamacpp").model
-    ours = np.array(model(mx.array(tokens)[None])[0, :NUM_POSITIONS])
-
-    matches = int((ours.argmax(-1) == reference.argmax(-1)).sum())
-    largest = float(np.abs(ours - reference).max())
-    report = (
-        f"MLX with numerics='llamacpp' agrees with llama.cpp on {matches}/{NUM_POSITIONS} "
-        f"positions ({matches / NUM_POSITIONS:.2%}); largest logit difference {largest:.2e}"
-    )
-    print(report)
-    if EMULATED_CPU:
-        assert matches >= 0.98 * NUM_POSITIONS, report
-        assert largest < LLAMACPP_NUMERICS_TOLERANCE, report
-    else:  # llama.cpp's own kernels sum in other orders here: the exact mode's bar
-        assert matches >= 0.96 * NUM_POSITIONS, report
-
-
-async def test_llamacpp_numerics_reach_the_served_model() -> None:
-    """The backend option: greedy tokens and their logprobs are llama.cpp's on the same file."""
+async def test_the_served_model_tracks_llamacpps_logprobs() -> None:
+    """The backend's greedy tokens and their logprobs against llama.cpp's on the same file."""
     prompt = _tokens()[:24]
     backend = create_backend(
-        BackendConfig(name="mlx", kind="mlx", options={"numerics": "llamacpp", "n_ctx": 512})
+        BackendConfig(name="mlx", kind="mlx", options={"n_ctx": 512})
     )
     await backend.start()
     try:
@@ -155,8 +131,7 @@ async def test_llamacpp_numerics_reach_the_served_model() -> None:
         f"difference {largest:.1e}"
     )
     print(report)
-    if EMULATED_CPU:
-        assert generated == logits.argmax(-1).tolist(), report
-        assert largest < LLAMACPP_NUMERICS_TOLERANCE, report
-    else:  # the same model, rounded differently
-        assert largest < 1.0, report
+    assert largest < 1.0, report
+    # Where MLX's greedy token is not llama.cpp's, the two were near-tied for llama.cpp.
+    gaps = logits.max(axis=-1) - logits[np.arange(len(generated)), generated]
+    assert (gaps < NEAR_TIE).all(), report

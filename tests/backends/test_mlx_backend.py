@@ -273,6 +273,10 @@ async def test_unsupported_parameter_is_a_400_before_any_work(
     assert backend.num_generated_tokens == before
 
 
+#: Objects, nesting, arrays, formats, a pattern, enums, unions and the empty schema.
+MLX_SCHEMAS = ("person", "nested", "tags", "date", "pattern", "int_enum", "one_of", "top_integer", "any_json")
+
+
 async def test_structured_outputs_constrain_mlx_with_the_same_masks(backend: MLXBackend) -> None:
     import json
 
@@ -280,8 +284,12 @@ async def test_structured_outputs_constrain_mlx_with_the_same_masks(backend: MLX
 
     from tests.core_engine.structured_schemas import SCHEMAS
 
+    # MLX runs ~0.1 s a token here: the masks (the same constraint layer the core engine and
+    # llama.cpp run over all 31 schemas) are checked on a spread of kinds, not all of them.
+    chosen = [s for s in SCHEMAS if s[0] in MLX_SCHEMAS]
+    assert len(chosen) == len(MLX_SCHEMAS)
     finished = 0
-    for i, (_name, what, schema) in enumerate(SCHEMAS):
+    for i, (_name, what, schema) in enumerate(chosen):
         request = msgspec.structs.replace(
             _chat(f"Reply with {what} as JSON.", max_tokens=96, temperature=0.7, seed=i),
             structured_outputs={"json": schema, "param": "response_format"},
@@ -291,7 +299,7 @@ async def test_structured_outputs_constrain_mlx_with_the_same_masks(backend: MLX
             continue
         finished += 1
         jsonschema.validate(json.loads(_text(chunks)), schema)
-    assert finished >= len(SCHEMAS) - 3, finished  # every output that ended validated
+    assert finished >= len(chosen) - 1, finished  # every output that ended validated
     regex = msgspec.structs.replace(
         _completion("Code:", max_tokens=12, temperature=1.0, seed=3),
         structured_outputs={"regex": "[A-Z]{2}[0-9]{3}", "param": "guided_regex"},
@@ -324,26 +332,19 @@ async def test_bad_options_name_the_key() -> None:
         create_backend(BackendConfig(name="m", kind="mlx", options={"dtype": "int3"}))
 
 
-async def test_numerics_option_comes_from_the_config_and_is_checked() -> None:
+async def test_options_come_from_the_config_file() -> None:
     toml = b"""
         [[backends]]
         name = "m"
         kind = "mlx"
-        options = { numerics = "llamacpp" }
+        options = { prefill_step_size = 64, dtype = "float16" }
     """
     (config,) = config_from_dict(msgspec.toml.decode(toml)).backends
-    assert create_backend(config).options.numerics == "llamacpp"
-    assert create_backend(BackendConfig(name="m", kind="mlx")).options.numerics == "exact"
-    with pytest.raises(
-        ValueError, match=r"backends\.m\.options\.numerics: Invalid enum value 'ggml'"
-    ):
-        create_backend(BackendConfig(name="m", kind="mlx", options={"numerics": "ggml"}))
-    with pytest.raises(ValueError, match=r"backends\.m\.options\.dtype: numerics = 'llamacpp'"):
-        create_backend(
-            BackendConfig(
-                name="m", kind="mlx", options={"numerics": "llamacpp", "dtype": "float16"}
-            )
-        )
+    options = create_backend(config).options
+    assert (options.prefill_step_size, options.dtype) == (64, "float16")
+    # The llama.cpp rounding emulation is gone: its option is an unknown key, named.
+    with pytest.raises(ValueError, match=r"backends\.m\.options.*numerics"):
+        create_backend(BackendConfig(name="m", kind="mlx", options={"numerics": "llamacpp"}))
 
 
 async def test_missing_model_is_unavailable_not_a_download() -> None:

@@ -14,7 +14,6 @@ from torch import Tensor
 
 from core_engine.attention import DEFAULT, ContiguousAttention, LayerAttention
 from core_engine.kernels.cpu.paged_decode import paged_decode
-from core_engine.model.llamacpp_numerics import LlamaCppAttention
 from core_engine.paged_attention import KVCache, PagedAttention, build_attention_metadata
 from tests.core_engine.kernels.kernel_case import (
     make_paged_kv,
@@ -76,13 +75,6 @@ def test_layer_attention_rejects_values_that_name_no_attention() -> None:
     for kwargs, name in (({"window": 0}, "window"), ({"softcap": 0.0}, "softcap"), ({"scale": -1.0}, "scale")):
         with pytest.raises(ValueError, match=name):
             LayerAttention(**kwargs)  # type: ignore[arg-type]
-
-
-def test_llamacpp_attention_refuses_a_spec_it_does_not_emulate() -> None:
-    attn = LlamaCppAttention(num_layers=1)
-    q, kv = torch.zeros(1, N_HEADS, HEAD_DIM), torch.zeros(1, N_KV, HEAD_DIM)
-    with pytest.raises(NotImplementedError, match="window"):
-        attn.forward(0, q, kv, kv, LayerAttention(window=4))
 
 
 # PagedAttention -----------------------------------------------------------------------------
