@@ -58,10 +58,10 @@ from backends._llamacpp_slot import Slot, SlotPool
 from backends._llamacpp_speculation import METHODS, NgramProposer, SpeculationChooser
 from backends._thread_job import ThreadJob
 from backends.base import GenerationChunk, GenerationRequest
+from backends.context_window import check_context
 from backends.errors import (
     BackendError,
     BackendUnavailableError,
-    ContextLengthExceededError,
     GenerationAbortedError,
     InfermuxError,
     UpstreamTimeoutError,
@@ -220,24 +220,7 @@ class LlamaRunner:
 
     def check_context(self, request: GenerationRequest, num_prompt: int) -> int:
         """The effective ``max_tokens``; ``ContextLengthExceededError`` when it cannot fit."""
-        param = "messages" if request.kind == "chat" else "prompt"
-        if num_prompt >= self.n_ctx:
-            raise ContextLengthExceededError(
-                f"this model's maximum context length is {self.n_ctx} tokens; the {param} "
-                f"has {num_prompt} tokens, leaving no room for output",
-                param=param,
-            )
-        max_tokens = request.params.max_tokens
-        if max_tokens is None:
-            return self.n_ctx - num_prompt
-        if num_prompt + max_tokens > self.n_ctx:
-            raise ContextLengthExceededError(
-                f"this model's maximum context length is {self.n_ctx} tokens; you requested "
-                f"{num_prompt + max_tokens} ({num_prompt} in the {param}, {max_tokens} for "
-                f"the completion). Reduce the length of the {param} or of max_tokens.",
-                param="max_tokens",
-            )
-        return max_tokens
+        return check_context(request, num_prompt, self.n_ctx)
 
     # -- worker thread --------------------------------------------------------------------
 

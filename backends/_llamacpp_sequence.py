@@ -23,7 +23,6 @@ from backends._llamacpp_model import LlamaModel
 from backends._llamacpp_sampling import PromptLogprobs, logprob_entry
 from backends._llamacpp_slot import Slot
 from backends._llamacpp_speculation import NgramProposer
-from backends._stop import StopBuffer
 from backends._thread_job import ThreadJob
 from backends.base import (
     EnginePhases,
@@ -33,6 +32,7 @@ from backends.base import (
     TokenLogprob,
     Usage,
 )
+from core_engine.stop_checker import StopChecker
 
 __all__ = ["Sequence", "wants_prompt_logprobs"]
 
@@ -97,7 +97,7 @@ class Sequence:
         self._num_top = params.top_logprobs
         self._stop_ids = frozenset(params.stop_token_ids)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stop_buffer: StopBuffer[_Token] = StopBuffer(params.stop)
+        self._stop_buffer: StopChecker[_Token] = StopChecker(params.stop)
         # Tokens whose text is not out yet (a partial UTF-8 character, a held stop string).
         self._held: list[_Token] = []
         self._hit_stop_string = False

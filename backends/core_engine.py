@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +49,7 @@ from backends.errors import (
     InvalidRequestError,
     UnsupportedParameterError,
 )
+from backends.model_loading import load_with_progress, resolve_model_path
 from backends.prefix_cache import CacheEvents, PrefixCacheIndex
 from backends.resume import resumed_output, resumed_prompt
 from core_engine.chat.formats import ChatFormat
@@ -66,7 +66,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_PROGRESS_EVERY_S = 2.0
 
 #: Disaggregated serving (``backends/disaggregated.py``): a request labelled
 #: ``KV_PREFILL_LABEL = <transfer id>`` is prefilled only and its KV sent under that id; one
@@ -323,42 +322,24 @@ class CoreEngineBackend:
         if self._llm is not None:
             return
         path = self._resolve_model_path()
-        logger.info("backend %s: loading %s (%.0f MiB)", self.name, path.name, path.stat().st_size / 2**20)
-        started = time.monotonic()
-        future = asyncio.ensure_future(asyncio.to_thread(self._load, path))
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=_PROGRESS_EVERY_S)
-            if done:
-                break
-            logger.info("backend %s: still loading %s (%.0f s)", self.name, path.name, time.monotonic() - started)
-        self._llm = future.result()
+        self._llm, took = await load_with_progress(self.name, path, lambda: self._load(path))
         try:
             self._open_transport()
         except BaseException:
             await self.aclose()
             raise
-        logger.info("backend %s: loaded %s in %.1f s", self.name, path.name, time.monotonic() - started)
+        logger.info("backend %s: loaded %s in %.1f s", self.name, path.name, took)
 
     def _resolve_model_path(self) -> Path:
-        if self.options.model_path is not None:
-            path = Path(self.options.model_path).expanduser()
-        else:
-            from backends.default_model import default_model_path
-
-            try:
-                path = default_model_path()
-            except FileNotFoundError as exc:
-                raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
         from core_engine.hf_loader import is_hf_checkpoint
 
-        if not path.is_file() and not is_hf_checkpoint(path):
-            raise BackendConfigError(
-                f"backend {self.name!r}: model file not found: {path} (backends.{self.name}.options.model_path: "
-                "a GGUF file or a Hugging Face checkpoint directory with config.json)"
-            )
-        self._model_path = path
-        return path
-
+        self._model_path = resolve_model_path(
+            self.name,
+            self.options.model_path,
+            accepts=lambda path: path.is_file() or is_hf_checkpoint(path),
+            expected="a GGUF file or a Hugging Face checkpoint directory with config.json",
+        )
+        return self._model_path
     def _load(self, path: Path) -> Any:
         try:
             from core_engine.async_llm import AsyncLLM

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -57,6 +56,7 @@ from backends.errors import (
     InvalidRequestError,
     UnsupportedParameterError,
 )
+from backends.model_loading import load_with_progress, resolve_model_path
 from backends.resume import resumed_output, resumed_prompt
 from core_engine.chat.template import ChatTemplateError
 from core_engine.policy import EnginePolicies, SpeculationMethod
@@ -69,7 +69,6 @@ __all__ = ["LlamaCppBackend", "LlamaCppOptions", "LlamaCppSpeculation", "create_
 
 logger = logging.getLogger(__name__)
 
-_PROGRESS_EVERY_S = 2.0
 #: The default ``parallel`` where its KV cache fits (see ``LlamaCppOptions.parallel``).
 _DEFAULT_PARALLEL = 16
 #: The share of physical memory the KV cache of the default ``parallel`` may take.
@@ -184,21 +183,8 @@ class LlamaCppBackend:
         if self._runner is not None:
             return
         path = self._resolve_model_path()
-        size_mib = path.stat().st_size / 2**20
-        logger.info("backend %s: loading %s (%.0f MiB)", self.name, path.name, size_mib)
-        started = time.monotonic()
-        future = asyncio.ensure_future(asyncio.to_thread(self._load, path))
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=_PROGRESS_EVERY_S)
-            if done:
-                break
-            logger.info(
-                "backend %s: still loading %s (%.0f s)",
-                self.name,
-                path.name,
-                time.monotonic() - started,
-            )
-        self._runner = runner = future.result()
+        runner, took = await load_with_progress(self.name, path, lambda: self._load(path))
+        self._runner = runner
         from backends._llamacpp_embedding import LlamaEmbedder
 
         self._embedder = LlamaEmbedder(
@@ -211,30 +197,17 @@ class LlamaCppBackend:
             "backend %s: loaded %s in %.1f s (n_ctx=%d, parallel=%d, n_threads=%d)",
             self.name,
             path.name,
-            time.monotonic() - started,
+            took,
             runner.n_ctx,
             runner.parallel,
             self.options.n_threads,
         )
 
     def _resolve_model_path(self) -> Path:
-        if self.options.model_path is not None:
-            path = Path(self.options.model_path).expanduser()
-        else:
-            from backends.default_model import default_model_path
-
-            try:
-                path = default_model_path()
-            except FileNotFoundError as exc:
-                raise BackendConfigError(f"backend {self.name!r}: {exc}") from exc
-        if not path.is_file():
-            raise BackendConfigError(
-                f"backend {self.name!r}: model file not found: {path} "
-                f"(backends.{self.name}.options.model_path)"
-            )
-        self._model_path = path
-        return path
-
+        self._model_path = resolve_model_path(
+            self.name, self.options.model_path, accepts=Path.is_file, expected="a GGUF file"
+        )
+        return self._model_path
     def _load(self, path: Path) -> LlamaRunner:
         try:
             import llama_cpp  # noqa: F401  (the package also installs llama.cpp's log callback)

@@ -18,7 +18,6 @@ from typing import Literal
 import msgspec
 
 from backends._option import decode_options
-from backends._stop import StopBuffer
 from backends.base import (
     BackendConfig,
     Capabilities,
@@ -40,6 +39,7 @@ from backends.errors import (
     UpstreamStatusError,
     UpstreamTimeoutError,
 )
+from core_engine.stop_checker import StopChecker
 
 __all__ = ["MockBackend", "MockOptions", "create_backend"]
 
@@ -187,7 +187,7 @@ class MockBackend:
         words = _output_words(request, prompt_words, options.sample_words)
         max_tokens = params.max_tokens if params.max_tokens is not None else len(words)
         rng = random.Random(params.seed)
-        stop_buffer: StopBuffer[_Token] = StopBuffer(params.stop)
+        stop_buffer: StopChecker[_Token] = StopChecker(params.stop)
         want_logprobs = params.logprobs or params.top_logprobs > 0
 
         if params.echo and request.kind == "completion":

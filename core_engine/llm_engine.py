@@ -51,7 +51,7 @@ class _OutputState:
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special=params.skip_special_tokens)
-        self.stop_checker = StopChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        self.stop_checker: StopChecker[None] = StopChecker(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         self.num_emitted_tokens = 0
         self.prompt_logprobs_sent = False
 
@@ -523,7 +523,7 @@ class LLMEngine:
         state.num_emitted_tokens = request.num_output_tokens
         if checker.matched is None and request.is_finished:
             text += checker.append(state.detokenizer.flush())
-            text += checker.flush()
+            text += checker.flush().text
         if checker.matched is not None and request.stop_reason is None:
             request.stop_reason = checker.matched
             if request.is_finished:

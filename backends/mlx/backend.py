@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,12 +42,12 @@ from backends.errors import (
     InfermuxError,
     UnsupportedParameterError,
 )
+from backends.model_loading import load_with_progress, resolve_model_path
 
 __all__ = ["MLXBackend", "MLXOptions"]
 
 logger = logging.getLogger(__name__)
 
-_PROGRESS_EVERY_S = 2.0
 _MAX_TOP_LOGPROBS = 20
 
 
@@ -109,53 +108,25 @@ class MLXBackend:
         if self._runner is not None:
             return
         path = self._resolve_model_path()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlx-{self.name}")
-        logger.info("backend %s: loading %s with MLX", self.name, path)
-        started = time.monotonic()
-        future = asyncio.get_running_loop().run_in_executor(self._executor, self._load, path)
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=_PROGRESS_EVERY_S)
-            if done:
-                break
-            logger.info(
-                "backend %s: still loading %s (%.0f s)",
-                self.name,
-                path.name,
-                time.monotonic() - started,
-            )
+        self._executor = executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlx-{self.name}")
         try:
-            self._runner = future.result()
+            runner, took = await load_with_progress(
+                self.name, path, lambda: self._load(path), executor=executor
+            )
         except BaseException:
             self._shutdown_executor()
             raise
-        logger.info(
-            "backend %s: loaded %s in %.1f s (n_ctx=%d)",
-            self.name,
-            path.name,
-            time.monotonic() - started,
-            self._runner.n_ctx,
-        )
+        self._runner = runner
+        logger.info("backend %s: loaded %s in %.1f s (n_ctx=%d)", self.name, path.name, took, runner.n_ctx)
 
     def _resolve_model_path(self) -> Path:
-        if self.options.model_path is not None:
-            path = Path(self.options.model_path).expanduser()
-        else:
-            from backends.default_model import default_model_path
-
-            try:
-                path = default_model_path()
-            except FileNotFoundError as exc:
-                raise BackendUnavailableError(f"backend {self.name!r}: {exc}") from exc
-        if not (path.is_file() or path.is_dir()):
-            # Never a hub id: a missing path must not turn into a download.
-            raise BackendUnavailableError(
-                f"backend {self.name!r}: model not found: {path} "
-                f"(backends.{self.name}.options.model_path must be a GGUF file or a local "
-                "MLX/Hugging Face model directory)"
-            )
-        self._model_path = path
-        return path
-
+        self._model_path = resolve_model_path(
+            self.name,
+            self.options.model_path,
+            accepts=lambda path: path.is_file() or path.is_dir(),
+            expected="a GGUF file or a local MLX/Hugging Face model directory",
+        )
+        return self._model_path
     def _load(self, path: Path) -> Any:
         """Worker-thread body of ``start``: the model, its tokenizer, and the runner."""
         import mlx.core as mx

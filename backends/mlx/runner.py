@@ -23,7 +23,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step, generation_stream
 
-from backends._stop import StopBuffer
 from backends.base import (
     EnginePhases,
     FinishReason,
@@ -34,14 +33,15 @@ from backends.base import (
     Usage,
 )
 from backends.chat_plan import ChatOptions, ChatPlan, load_chat, plan_chat
+from backends.context_window import check_context
 from backends.errors import (
-    ContextLengthExceededError,
     InvalidRequestError,
     UpstreamTimeoutError,
 )
 from backends.mlx import sampling
 from backends.mlx.prompt_cache import PromptCache
 from backends.mlx.tokenizer import MLXTokenizer
+from core_engine.stop_checker import StopChecker
 
 __all__ = ["MLXRunner"]
 
@@ -121,24 +121,7 @@ class MLXRunner:
 
     def check_context(self, request: GenerationRequest, num_prompt: int) -> int:
         """The effective ``max_tokens``; ``ContextLengthExceededError`` when it cannot fit."""
-        param = "messages" if request.kind == "chat" else "prompt"
-        if num_prompt >= self.n_ctx:
-            raise ContextLengthExceededError(
-                f"this model's maximum context length is {self.n_ctx} tokens; the {param} "
-                f"has {num_prompt} tokens, leaving no room for output",
-                param=param,
-            )
-        max_tokens = request.params.max_tokens
-        if max_tokens is None:
-            return self.n_ctx - num_prompt
-        if num_prompt + max_tokens > self.n_ctx:
-            raise ContextLengthExceededError(
-                f"this model's maximum context length is {self.n_ctx} tokens; you requested "
-                f"{num_prompt + max_tokens} ({num_prompt} in the {param}, {max_tokens} for "
-                f"the completion). Reduce the length of the {param} or of max_tokens.",
-                param="max_tokens",
-            )
-        return max_tokens
+        return check_context(request, num_prompt, self.n_ctx)
 
     # -- generation -----------------------------------------------------------------------
 
@@ -269,7 +252,7 @@ class MLXRunner:
         params = request.params
         want_logprobs = params.logprobs or params.top_logprobs > 0
         decoder = self.tokenizer.text_stream(fed[:num_prompt])
-        stop_buffer: StopBuffer[_Token] = StopBuffer(params.stop)
+        stop_buffer: StopChecker[_Token] = StopChecker(params.stop)
         stop_ids = set(params.stop_token_ids)
         eos_ids = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         held: list[_Token] = []  # tokens whose text is not out yet (partial UTF-8, held stop)

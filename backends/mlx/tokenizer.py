@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from core_engine.tokenizer.byte_level import CHAR_TO_BYTE
 from core_engine.tokenizer.end_of_generation import END_OF_GENERATION_TEXTS
 
 __all__ = [
@@ -143,9 +143,8 @@ class HFTokenizer(MLXTokenizer):
             text = self.hf.convert_ids_to_tokens(token_id)
             if text is None:
                 return b""
-            decoder = _byte_decoder()
-            if all(ch in decoder for ch in text):
-                return bytes(decoder[ch] for ch in text)
+            if all(ch in CHAR_TO_BYTE for ch in text):
+                return bytes(CHAR_TO_BYTE[ch] for ch in text)
         # Other vocabularies: the token's own decoded text (a lone partial byte shows as U+FFFD).
         return self.decode([token_id]).encode("utf-8")
 
@@ -284,21 +283,3 @@ def _is_byte_level(hf_tokenizer: Any) -> bool:
     except (ValueError, AttributeError):
         return False
     return decoder.get("type") == "ByteLevel"
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable-character alphabet for bytes, reversed (char -> byte)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}

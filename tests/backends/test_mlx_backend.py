@@ -351,5 +351,5 @@ async def test_missing_model_is_unavailable_not_a_download() -> None:
     mlx = create_backend(
         BackendConfig(name="m", kind="mlx", options={"model_path": "HuggingFaceTB/SmolLM2"})
     )
-    with pytest.raises(BackendUnavailableError, match="model not found"):
+    with pytest.raises(BackendUnavailableError, match="model file not found"):
         await mlx.start()

@@ -23,7 +23,7 @@ from gguf.constants import GGMLQuantizationType
 from mlx_lm.models.cache import make_prompt_cache
 
 from backends.mlx.gguf_loader import GGUFLoadError, load_gguf_model
-from backends.mlx.tokenizer import _byte_decoder
+from core_engine.tokenizer.byte_level import BYTE_TO_CHAR
 
 Q4_0, Q4_1, Q5_0, Q8_0 = (
     GGMLQuantizationType.Q4_0,
@@ -62,8 +62,7 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(head_dim)
     # llama.cpp needs a tokenizer to load a model: the 256 byte tokens, a few words, BOS/EOS.
-    byte_chars = sorted(_byte_decoder(), key=_byte_decoder().__getitem__)
-    tokens = [*byte_chars, "Ġw", *(f"Ġw{i}" for i in range(253)), "<s>", "</s>"]
+    tokens = [*BYTE_TO_CHAR, "Ġw", *(f"Ġw{i}" for i in range(253)), "<s>", "</s>"]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
