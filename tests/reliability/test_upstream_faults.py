@@ -167,7 +167,10 @@ def test_first_byte_timeout_is_504_and_cancels_the_upstream_request(
         for stream in (False, True):
             error = envelope(ask(gw, stream=stream), 504)
             assert (error["code"], error["type"]) == ("upstream_timeout", "server_error")
-        a.wait_until(lambda: a.num_disconnects == 2)  # both upstream requests were cancelled
+        # Both upstream requests were cancelled. Over TLS the close is a close_notify exchange
+        # after the 504 went out: one whole-suite run (2026-12-03) saw 1 of 2 within 10 s, not
+        # seen again in 6 runs beside a loaded suite; the wait allows 30 s.
+        a.wait_until(lambda: a.num_disconnects == 2, timeout_s=30.0)
         wait_until(lambda: len(recorder.errors) == 2)
         assert all(r["backend"] == "a" and r["usage"] is None for r in recorder.errors)
         rows = ledger_rows(ledger)

@@ -26,14 +26,11 @@ from test_upstream_faults import (  # noqa: F401  (collected here again, over TL
     test_client_disconnect_before_the_first_byte_aborts_upstream,
     test_client_disconnect_mid_stream_aborts_upstream_and_records_once,
     test_first_byte_timeout_falls_back_to_the_next_backend,
+    test_first_byte_timeout_is_504_and_cancels_the_upstream_request,
     test_total_timeout_cuts_a_slow_stream,
     test_upstream_5xx_is_retried_elsewhere_else_502,
     test_upstream_death_mid_stream_is_an_error_frame_with_partial_usage_once,
     test_upstream_death_without_stream_is_502_with_partial_usage_once,
-    # Not collected over TLS: test_first_byte_timeout_is_504_and_cancels_the_upstream_request.
-    # Its 504 holds over TLS, but a stalled TLS test server does not always see the gateway's
-    # cancel (the whole suite on 2026-12-03 missed 1 of 2 disconnects in 10 s); to be fixed
-    # in upstream_server.py before it comes back (docs: the stop note of that day).
 )
 from upstream_server import Behaviour, TLSFiles, UpstreamServer
 
