@@ -6,8 +6,9 @@ matcher start fresh at the break, so they would lose what straddles it: the byte
 character cut in two, a stop string whose start the failed backend held back. So the text
 of a resumed answer is made again here from token ids over the WHOLE output (earlier ids,
 then the new ones): :func:`resumed_output` decodes every piece with one incremental UTF-8
-decoder, matches stop strings over the whole text, holds back a possible stop-string start
-as the backends do, and streams only what the client has not received yet.
+decoder, matches stop strings over the whole text with the backends' own matcher
+(:class:`core_engine.stop_checker.StopChecker`), and streams only what the client has not
+received yet.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import codecs
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from backends.base import GenerationChunk, ResumeState, Usage
+from core_engine.stop_checker import StopChecker
 
 __all__ = ["resumed_output", "resumed_prompt"]
 
@@ -34,54 +36,37 @@ class _Continuation:
 
     def __init__(self, resume: ResumeState, piece: Callable[[int], bytes], stop: Sequence[str]) -> None:
         self._piece = piece
-        self._stops = tuple(s for s in stop if s)
-        self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop: StopChecker[None] = StopChecker(stop)
         if resume.token_ids:
-            self.text = "".join(self._decoder.decode(piece(t)) for t in resume.token_ids)
+            earlier = "".join(self._decoder.decode(piece(t)) for t in resume.token_ids)
         else:
-            self.text = resume.text
-        #: Characters of ``text`` the client has (from the earlier backend, then from here).
-        self.num_released = len(resume.text)
-        #: The stop string that ended the output, once one has.
-        self.matched: str | None = None
+            earlier = resume.text
+        #: Characters the client has (from the earlier backend) still to come out of the matcher.
+        self._skip = len(resume.text)
+        self._take(self._stop.push(earlier).text)
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the output, once one has."""
+        return self._stop.matched
 
     def add(self, token_id: int) -> str:
         """One new token: the text that may be sent now."""
-        self.text += self._decoder.decode(self._piece(token_id))
-        return self._release(final=False)
+        return self._take(self._stop.push(self._decoder.decode(self._piece(token_id))).text)
 
     def finish(self) -> str:
         """The output ended for another reason: the rest (an unfinished character: U+FFFD)."""
-        self.text += self._decoder.decode(b"", final=True)
-        return self._release(final=True)
+        text = self._stop.push(self._decoder.decode(b"", final=True)).text
+        if self._stop.matched is None:
+            text += self._stop.flush().text
+        return self._take(text)
 
-    def _release(self, *, final: bool) -> str:
-        if self.matched is not None:
-            return ""
-        text = self.text
-        best: tuple[int, str] | None = None
-        for s in self._stops:
-            # Only a match that ends past what was released can be new.
-            idx = text.find(s, max(0, self.num_released - len(s) + 1))
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is not None:
-            self.matched = best[1]
-            end = max(best[0], self.num_released)
-        else:
-            end = len(text) if final else len(text) - self._held_back()
-        out = text[self.num_released : end]
-        self.num_released = max(self.num_released, end)
-        return out
-
-    def _held_back(self) -> int:
-        text = self.text
-        for n in range(min(self._max_hold, len(text) - self.num_released), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self._stops):
-                return n
-        return 0
+    def _take(self, released: str) -> str:
+        """What the matcher released, less what the client already has."""
+        skipped = min(self._skip, len(released))
+        self._skip -= skipped
+        return released[skipped:]
 
 
 async def resumed_output(
