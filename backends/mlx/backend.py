@@ -34,15 +34,18 @@ from backends.base import (
     GenerationRequest,
     HealthStatus,
     ModelInfo,
+    Usage,
 )
 from backends.chat_plan import ChatOptions, ChatPlan, plan_chat
 from backends.errors import (
     BackendUnavailableError,
     GenerationAbortedError,
     InfermuxError,
+    InvalidRequestError,
     UnsupportedParameterError,
 )
 from backends.model_loading import load_with_progress, resolve_model_path
+from backends.resume import resumed_output
 
 __all__ = ["MLXBackend", "MLXOptions"]
 
@@ -93,6 +96,8 @@ class MLXBackend:
             echo=False,
             structured_outputs=True,
             tools=True,
+            resume=True,
+            tokenize=True,
             max_top_logprobs=_MAX_TOP_LOGPROBS,
         )
         self._executor: ThreadPoolExecutor | None = None
@@ -220,7 +225,32 @@ class MLXBackend:
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream one choice; closing the iterator stops generation after the current token."""
+        if request.kind in ("tokenize", "detokenize"):
+            return self._tokenize(request)
         return self._generate(request)
+
+    async def _tokenize(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """The prompt's token ids (as a generation of it would see them: the chat template
+        rendered), or the text of ``prompt``'s ids; one chunk."""
+        runner = self._runner
+        if runner is None:
+            raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
+        ids = request.prompt if isinstance(request.prompt, tuple) else ()
+        if request.kind == "detokenize":
+            bad = next((t for t in ids if not 0 <= t < runner.n_vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"token id {bad} is outside the vocabulary (0..{runner.n_vocab - 1})",
+                    param="tokens",
+                )
+            text = b"".join(runner.tokenizer.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
+            yield GenerationChunk(text=text, finish_reason="stop", usage=Usage(prompt_tokens=len(ids), completion_tokens=0))
+            return
+        as_prompt = msgspec.structs.replace(request, kind="chat" if request.messages is not None else "completion")
+        tokens = runner.prompt_tokens(as_prompt)
+        yield GenerationChunk(
+            token_ids=tuple(tokens), finish_reason="stop", usage=Usage(prompt_tokens=len(tokens), completion_tokens=0)
+        )
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._check_supported(request)
@@ -238,6 +268,16 @@ class MLXBackend:
             library="MLX",
         )
         parsed = plan.parse(stream) if plan is not None else stream
+        resume = request.resume
+        if resume is not None and self._runner is not None:
+            # The runner prefills the prompt and the earlier output; the text is made again
+            # over the whole output (backends/resume.py).
+            core = self._runner
+            prompt = core.resumed_prompt(core.prompt_tokens(request, plan), resume)
+            parsed = resumed_output(
+                stream, resume, piece=core.tokenizer.token_bytes, stop=request.params.stop,
+                num_prompt_tokens=len(prompt),
+            )
         async with contextlib.aclosing(parsed):  # type: ignore[type-var]  # closing us must cancel the job at once
             async for chunk in parsed:
                 yield chunk

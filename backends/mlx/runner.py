@@ -28,6 +28,7 @@ from backends.base import (
     FinishReason,
     GenerationChunk,
     GenerationRequest,
+    ResumeState,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -41,6 +42,7 @@ from backends.errors import (
 from backends.mlx import sampling
 from backends.mlx.prompt_cache import PromptCache
 from backends.mlx.tokenizer import MLXTokenizer
+from backends.resume import resumed_prompt
 from core_engine.stop_checker import StopChecker
 
 __all__ = ["MLXRunner"]
@@ -119,6 +121,10 @@ class MLXRunner:
             return list(prompt)
         return tokenizer.encode(prompt or "", add_bos=tokenizer.add_bos)
 
+    def resumed_prompt(self, tokens: list[int], resume: ResumeState) -> list[int]:
+        """The prompt followed by the earlier backend's output (backends/resume.py)."""
+        return resumed_prompt(tokens, resume, lambda text: self.tokenizer.encode(text, add_bos=False))
+
     def check_context(self, request: GenerationRequest, num_prompt: int) -> int:
         """The effective ``max_tokens``; ``ContextLengthExceededError`` when it cannot fit."""
         return check_context(request, num_prompt, self.n_ctx)
@@ -173,6 +179,8 @@ class MLXRunner:
     ) -> None:
         params = request.params
         tokens = self.prompt_tokens(request, plan)
+        if request.resume is not None:  # continue another backend's partial answer
+            tokens = self.resumed_prompt(tokens, request.resume)
         structured = plan.structured_outputs if plan is not None else request.structured_outputs
         matcher = None if structured is None else self._compile(structured)
         if not tokens:

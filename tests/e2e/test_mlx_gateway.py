@@ -129,3 +129,23 @@ def test_unsupported_parameter_is_a_400_naming_it(client: openai.OpenAI) -> None
     assert isinstance(error, dict)
     assert error["param"] == "echo"
     assert error["code"] == "unsupported_parameter"
+
+
+def test_tokenize_and_detokenize_are_served_by_mlx_like_llamacpp(gateway: LiveGateway, client: openai.OpenAI) -> None:
+    import httpx
+
+    def post(path: str, body: dict[str, object], backend: str) -> dict[str, object]:
+        answer = httpx.post(
+            f"{gateway}{path}", json={"model": MODEL, **body}, headers={"x-infermux-backend": backend}, timeout=60
+        )
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+    text = "Tokenizers split words: internationalisation, naïve café."
+    tokens = post("/tokenize", {"prompt": text}, "mlx")["tokens"]
+    assert tokens == post("/tokenize", {"prompt": text}, "llamacpp")["tokens"]
+    assert post("/detokenize", {"tokens": tokens}, "mlx") == {"prompt": text}
+    # A chat's tokens, template rendered: what the chat request is billed for.
+    chat_tokens = post("/tokenize", {"messages": QUESTION}, "mlx")["tokens"]
+    billed = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, extra_headers=PIN).usage
+    assert billed is not None and len(chat_tokens) == billed.prompt_tokens  # type: ignore[arg-type]

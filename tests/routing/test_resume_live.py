@@ -1,6 +1,6 @@
 """Mid-stream failover that resumes (``resume_on_failure``), live, with the real model.
 
-The default model (SmolLM2-135M) behind two core-engine backends and llama.cpp, greedy, on
+The default model (SmolLM2-135M) behind two core-engine backends, llama.cpp and MLX, greedy, on
 a real gateway on loopback, asked through the official ``openai`` client. The first backend
 of an alias fails on cue: a plugin around its real stream (``infermux_wrap_generate``)
 raises the retryable error a dead worker raises once that backend has sent N chunks, and
@@ -92,15 +92,19 @@ def setup(live_gateway: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         BackendConfig(name="core1", kind="core_engine", options=CORE, worker_process=False),
         BackendConfig(name="core2", kind="core_engine", options=CORE, worker_process=False),
         BackendConfig(name="llama", kind="llamacpp", options=LLAMA, worker_process=False),
+        BackendConfig(name="mlx", kind="mlx", options={"n_ctx": 512}, worker_process=False),
         models={
             "cc": ["core1", "core2"],
             "cl": ["core1", "llama"],
             "lc": ["llama", "core2"],
+            "cm": ["core1", "mlx"],
+            "mc": ["mlx", "core2"],
             "off": ["core1", "core2"],
             "solo_llama": ["llama"],
             "solo_core2": ["core2"],
+            "solo_mlx": ["mlx"],
         },
-        resume_on_failure=("cc", "cl", "lc"),
+        resume_on_failure=("cc", "cl", "lc", "cm", "mc"),
     )
     config = msgspec.structs.replace(
         config,
@@ -194,13 +198,13 @@ def held_run_end(chunks: list[GenerationChunk]) -> int:
     raise AssertionError("no run of held chunks")
 
 
-@pytest.mark.parametrize("alias", ["cc", "cl", "lc"])
+@pytest.mark.parametrize("alias", ["cc", "cl", "lc", "cm", "mc"])
 @pytest.mark.parametrize("point", ["first_token", "mid_answer", "last_token"])
 def test_a_backend_failing_mid_stream_is_continued_to_the_unbroken_answer(
     setup: tuple[LiveGateway, Breaker, Path], alias: str, point: str
 ) -> None:
     gw, breaker, _ = setup
-    first = gw.state.config.models[[m.alias for m in gw.state.config.models].index(alias)].backends[0]
+    first, second = gw.state.config.models[[m.alias for m in gw.state.config.models].index(alias)].backends
     breaker.arm(None, None)
     unbroken = chat(gw, alias)
     num_chunks = len(breaker.chunks[first])
@@ -213,9 +217,8 @@ def test_a_backend_failing_mid_stream_is_continued_to_the_unbroken_answer(
     if alias == "cc":
         assert resumed.text == unbroken.text
     else:
-        # llama.cpp's arithmetic is not the core engine's: a greedy near-tie may go the
-        # other way. The answer is then what the next backend says after those tokens.
-        second = "llama" if alias == "cl" else "core2"
+        # llama.cpp's and MLX's arithmetic is not the core engine's: a greedy near-tie may go
+        # the other way. The answer is then what the next backend says after those tokens.
         assert resumed.text == continuation(gw, f"solo_{second}", [t for c in sent for t in c.token_ids])
     assert resumed.finish_reason == unbroken.finish_reason
     assert resumed.usage.completion_tokens == unbroken.usage.completion_tokens == MAX_TOKENS
