@@ -16,7 +16,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
+from core_engine.gguf_loader import preferred_dtype
 from gateway.testing import LiveGateway
 from tests.telemetry.telemetry_util import (
     Telemetry,
@@ -41,6 +43,14 @@ TEXTS = [
     "Pasta with tomato sauce is my favourite food.",
 ]
 PAIRS = [(0, 1), (2, 3), (4, 5)]
+#: How far from 1 the cosine of one text's vectors from two forwards of other shapes (alone, in
+#: a batch) may be. The core engine computes in bf16 where the CPU has it (AMX, AVX512-BF16):
+#: there a batch sums in other orders, measured 4.5e-4 on a Sapphire Rapids Xeon (2026-12-04);
+#: in float32 and in llama.cpp, under 1e-5.
+SAME_TEXT_TOLERANCE = {
+    "llamacpp": 1e-4,
+    "core_engine": 1e-4 if preferred_dtype("cpu") == torch.float32 else 2e-3,
+}
 
 
 def cosine(a: list[float], b: list[float]) -> float:
@@ -75,7 +85,7 @@ def test_float_and_base64_answers_carry_the_same_vectors(default_client: Any, ba
 def test_related_texts_are_nearer_than_unrelated_ones(default_client: Any, backend: str) -> None:
     vectors = [d.embedding for d in embed(default_client, backend, TEXTS, encoding_format="float").data]
     again = embed(default_client, backend, TEXTS[0], encoding_format="float").data[0].embedding
-    assert cosine(vectors[0], again) == pytest.approx(1.0, abs=1e-4)  # a text with itself
+    assert cosine(vectors[0], again) == pytest.approx(1.0, abs=SAME_TEXT_TOLERANCE[backend])  # a text with itself
     for a, b in PAIRS:
         related = cosine(vectors[a], vectors[b])
         for c in range(len(TEXTS)):
@@ -89,7 +99,7 @@ def test_a_batch_gives_each_input_the_vector_it_gets_alone(default_client: Any) 
     batch = embed(default_client, "core_engine", TEXTS, encoding_format="float").data
     for i in (0, 3, 5):
         alone = embed(default_client, "core_engine", TEXTS[i], encoding_format="float").data[0]
-        assert cosine(batch[i].embedding, alone.embedding) == pytest.approx(1.0, abs=1e-4)
+        assert cosine(batch[i].embedding, alone.embedding) == pytest.approx(1.0, abs=SAME_TEXT_TOLERANCE["core_engine"])
 
 
 def test_the_core_engine_agrees_with_llama_cpp(default_client: Any) -> None:
