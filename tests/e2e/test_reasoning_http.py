@@ -42,7 +42,12 @@ def gw(live_gateway: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     template.write_text(THINKING_CHATML, encoding="utf-8")
     chat = {"template": str(template)}
     config = gateway_config(
-        BackendConfig(name="core", kind="core_engine", options={"num_threads": 2, "kv_cache_memory_mb": 64, "chat": chat}),
+        # float32 on every CPU: in bf16 (AMX) the model ended its turn right after the forced
+        # </think>, leaving no answer to check.
+        BackendConfig(
+            name="core", kind="core_engine",
+            options={"num_threads": 2, "kv_cache_memory_mb": 64, "chat": chat, "dtype": "float32"},
+        ),
         BackendConfig(name="llamacpp", kind="llamacpp", options={"n_ctx": 1024, "parallel": 2, "chat": chat}),
         models={name: [name] for name in BACKENDS},
     )
