@@ -9,7 +9,7 @@ from infermux_length_router.tenant_tagger import create_plugin
 
 from backends.base import GenerationRequest
 from backends.errors import InvalidRequestError
-from gateway.config import PluginsConfig
+from gateway.config.types import PluginsConfig
 from plugins.manager import PluginHooks
 from plugins.testing import gateway_config, make_plugin_manager
 
