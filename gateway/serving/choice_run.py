@@ -267,8 +267,8 @@ class ChoiceRun:
                 await choice.stream.aclose()
             except Exception:
                 logger.exception("closing the stream of %s failed", choice.request.request_id)
-            if choice.outcome != "finished" and choice.usage is None:
-                choice.usage = _partial_usage(choice)
+            if choice.outcome != "finished":
+                choice.usage = choice.usage_so_far()
 
     async def end_request(self) -> None:
         """Tell the plugins the request ended (``on_request_end``, once; aborts first).
@@ -329,13 +329,6 @@ def _account(choice: ChoiceState, chunk: GenerationChunk) -> None:
         choice.phases = chunk.phases
     if chunk.speculation is not None:
         choice.speculation = chunk.speculation
-
-
-def _partial_usage(choice: ChoiceState) -> Usage | None:
-    """What a failed or abandoned choice produced, when the backend could not say."""
-    if choice.num_streamed_tokens == 0:
-        return None
-    return Usage(prompt_tokens=0, completion_tokens=choice.num_streamed_tokens)
 
 
 async def _pump(

@@ -68,3 +68,14 @@ class ChoiceState:
     @property
     def backend_name(self) -> str:
         return self.stream.backend_name
+
+    def usage_so_far(self) -> Usage | None:
+        """The backend's usage; else, for a choice that stopped before its backend reported
+        one (backends report usage on their last chunk), the output tokens streamed so far
+        (prompt tokens 0); None when nothing was streamed. The one partial-usage rule: the
+        ``on_error`` hook's usage and the request summary's both."""
+        if self.usage is not None:
+            return self.usage
+        if self.num_streamed_tokens == 0:
+            return None
+        return Usage(prompt_tokens=0, completion_tokens=self.num_streamed_tokens)

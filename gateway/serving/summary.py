@@ -110,9 +110,7 @@ def _as_error(exc: BaseException) -> InfermuxError:
 
 
 def _choice_summary(clock: RequestClock, choice: ChoiceState) -> ChoiceSummary:
-    usage = choice.usage
-    if usage is None and choice.num_streamed_tokens:  # abort() normally did this already
-        usage = Usage(prompt_tokens=0, completion_tokens=choice.num_streamed_tokens)
+    usage = choice.usage_so_far()  # abort() normally stored it already
     # Backends report usage on their last chunk only: an unfinished choice's is counted.
     partial = usage is not None and choice.outcome != "finished"
     num_output = usage.completion_tokens if usage is not None else 0
