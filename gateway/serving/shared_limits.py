@@ -1,4 +1,4 @@
-"""Per-key rate limits shared by every replica: the token buckets of rate_limit.py in Redis.
+"""Per-key rate limits shared by every replica: the token buckets of admission.py in Redis.
 
 The same buckets as :class:`~gateway.serving.admission.KeyRateLimiter` (``rpm`` / ``tpm`` per
 minute, refilled continuously, the token level may go below zero), but each bucket is one
@@ -60,7 +60,7 @@ end
 
 #: KEYS: the key's request bucket, its token bucket. ARGV: rpm, tpm (0: no such limit).
 #: Returns {verdict ("ok" | "requests" | "tokens"), request level, token level}: a request
-#: refused for tokens takes no request, as in rate_limit.py.
+#: refused for tokens takes no request, as in admission.py.
 _ADMIT = (
     _BUCKET
     + """
