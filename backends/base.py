@@ -95,7 +95,7 @@ class PrefixPin(msgspec.Struct, frozen=True, kw_only=True):
 
 class ResumeState(msgspec.Struct, frozen=True, kw_only=True):
     """The output an earlier backend produced before it failed mid-stream; the backend
-    continues it (the router's ``resume_on_failure``, gateway/stream_resume.py).
+    continues it (the router's ``resume_on_failure``, gateway/serving/stream_resume.py).
 
     A backend that advertises ``Capabilities.resume`` prefills the prompt followed by
     ``token_ids`` (same model) or, when ``token_ids`` is empty, by the tokens of ``text``
@@ -140,7 +140,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     deadline: float | None = None
     #: OpenAI's ``response_format`` as sent (json_object / json_schema), for remotes.
     response_format: dict[str, Any] | None = None
-    #: The request's output constraint, normalised (gateway/structured_outputs.py): one of
+    #: The request's output constraint, normalised (gateway/openai/structured_outputs.py): one of
     #: ``json`` (a schema), ``json_object``, ``regex``, ``choice``, ``grammar``, and
     #: ``param``, the request field it came from. Native backends enforce it.
     structured_outputs: dict[str, Any] | None = None

@@ -1,7 +1,7 @@
 """The one error hierarchy of infermux.
 
 Every error a client can see is an :class:`InfermuxError`. Each class carries the HTTP
-status, the OpenAI error ``type`` and ``code`` it maps to; ``gateway/errors.py`` turns any of
+status, the OpenAI error ``type`` and ``code`` it maps to; ``gateway/http/errors.py`` turns any of
 them into the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}`` in one place.
 Adapters translate their library's exceptions into this tree at their boundary
 (``raise BackendUnavailable(...) from exc``); nothing else crosses a layer.

@@ -78,7 +78,7 @@ def _run_infermux(config_path: Path, port: int) -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.config import load_config
+    from gateway.config.load import load_config
 
     app = create_app(load_config(config_path))
     # What `infermux serve` picks when uvicorn[standard] is installed, made explicit here.

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from gateway.config import config_from_dict  # noqa: E402
+from gateway.config.load import config_from_dict  # noqa: E402
 from gateway.testing import run_gateway  # noqa: E402
 
 SETUPS = ("bare", "default", "ledger_full", "tracing_down")

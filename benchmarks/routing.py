@@ -178,7 +178,7 @@ def _run_infermux(config_path: Path, port: int) -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.config import load_config
+    from gateway.config.load import load_config
 
     uvicorn.run(create_app(load_config(config_path)), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 

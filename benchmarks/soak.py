@@ -264,7 +264,7 @@ def _config(backend: str, ledger: Path, concurrency: int) -> Any:
     import msgspec
 
     from backends.base import BackendConfig
-    from gateway.config import LimitsConfig
+    from gateway.config.types import LimitsConfig
     from gateway.testing import gateway_config
     from plugins.builtin.cost.config import CostConfig
 

@@ -2,7 +2,7 @@
 
 Creating the app validates everything that can be validated without loading a model
 (backend kinds and routing strategies registered by plugins, each backend's options) and
-raises :class:`~gateway.config.ConfigError` naming the key. The lifespan then tells plugins
+raises :class:`~gateway.config.types.ConfigError` naming the key. The lifespan then tells plugins
 the gateway starts, loads the backends in the background (``/ready`` is 503 until they
 are), and on shutdown closes them and tells plugins.
 """
@@ -22,12 +22,13 @@ from litestar.openapi import OpenAPIConfig
 
 from backends.base import Backend, BackendConfig
 from backends.errors import InfermuxError
-from gateway.config import ConfigError, InfermuxConfig, check_registered_names
+from gateway.config.types import ConfigError, InfermuxConfig
+from gateway.config.validate import check_registered_names
 from gateway.controllers import CONTROLLERS, GENERATION_ENDPOINTS, responses_endpoint
-from gateway.errors import handle_exception
-from gateway.generation_endpoint import generation_handlers
-from gateway.header_limit import header_limit_middleware
-from gateway.openapi import complete_openapi
+from gateway.http.endpoint import generation_handlers
+from gateway.http.errors import handle_exception
+from gateway.http.header_limit import header_limit_middleware
+from gateway.http.openapi import complete_openapi
 from gateway.state import GatewayState
 from plugins.manager import InfermuxPluginManager, PluginHooks, create_plugin_manager
 from plugins.policy import offer_engine_policies

@@ -26,16 +26,16 @@ from backends.base import (
 )
 from backends.errors import BackendConfigError, BackendUnavailableError, ServerOverloadedError
 from backends.worker import WorkerBackend
-from gateway.auth import KeyStore
-from gateway.config import ConfigError, InfermuxConfig
-from gateway.rate_limit import Admission, KeyRateLimiter
-from gateway.response_store import ResponseStore
-from gateway.shared_rate_limit import SharedKeyRateLimiter
+from gateway.config.types import ConfigError, InfermuxConfig
+from gateway.http.auth import KeyStore
+from gateway.openai.response_store import ResponseStore
+from gateway.serving.admission import Admission, KeyRateLimiter
+from gateway.serving.shared_limits import SharedKeyRateLimiter
 from plugins.builtin.cost.plugin import resolve_ledger_path
 from plugins.shared_state import StateConfigError, open_state
 
 if TYPE_CHECKING:
-    from gateway.router import ModelRouter
+    from gateway.serving.router import ModelRouter
     from plugins.manager import PluginHooks
 
 __all__ = ["FailedBackend", "GatewayState"]
@@ -108,7 +108,7 @@ class GatewayState:
         self.startup_error: str | None = None
         #: Set on SIGTERM: /ready turns 503 and new generation requests are refused.
         self.draining = False
-        #: API keys (gateway/auth.py) and admission: per-key limits, global concurrency.
+        #: API keys (gateway/http/auth.py) and admission: per-key limits, global concurrency.
         self.key_store = KeyStore(config.auth.keys)
         #: The Responses API's stored responses, in the ledger's SQLite file (opened on use).
         self.response_store = ResponseStore(resolve_ledger_path(config.cost))
@@ -206,7 +206,7 @@ class GatewayState:
                 "backend %d/%d %r ready in %.1f s", number, total, name, time.monotonic() - began
             )
         try:
-            from gateway.router import ModelRouter
+            from gateway.serving.router import ModelRouter
             from plugins.builtin.cost.pricing import PriceBook
 
             prices = PriceBook(self.config.cost.prices)
@@ -227,7 +227,7 @@ class GatewayState:
             logger.exception("building the router failed")
             return
         if self.shared_state is not None:
-            from gateway.shared_circuit import CircuitSync
+            from gateway.serving.shared_circuit import CircuitSync
 
             sync = CircuitSync(self.shared_state, self.router, list(self.backends))
             self._circuit_sync_task = asyncio.create_task(

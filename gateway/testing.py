@@ -26,15 +26,15 @@ import msgspec
 
 from backends.base import Backend, BackendConfig
 from gateway.app import create_app
-from gateway.config import (
+from gateway.config.load import config_from_dict
+from gateway.config.types import (
     AuthConfig,
     InfermuxConfig,
     LimitsConfig,
     PluginsConfig,
     ServerConfig,
-    config_from_dict,
 )
-from gateway.header_limit import uvicorn_header_limit
+from gateway.http.header_limit import uvicorn_header_limit
 from gateway.state import GatewayState
 
 __all__ = ["LiveGateway", "gateway_config", "mock_backend", "run_gateway"]

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from backends.base import Backend, BackendConfig, Usage
-    from gateway.config import InfermuxConfig
+    from gateway.config.types import InfermuxConfig
     from plugins.request_summary import RequestSummary
     from plugins.usage_report import UsageQuery, UsageReport
 

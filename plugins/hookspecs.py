@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         SpeculationContext,
         SpeculationDecision,
     )
-    from gateway.config import InfermuxConfig
+    from gateway.config.types import InfermuxConfig
     from plugins.request_summary import RequestSummary
     from plugins.usage_report import UsageQuery, UsageReport
 

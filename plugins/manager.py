@@ -36,7 +36,7 @@ from plugins import hookspecs
 from plugins.hook_facade import PluginHooks
 
 if TYPE_CHECKING:
-    from gateway.config import PluginsConfig
+    from gateway.config.types import PluginsConfig
 
 __all__ = [
     "BUILTIN_PLUGINS",

@@ -1,6 +1,6 @@
 """The shared state store: one Redis that every gateway replica reaches, and its outages.
 
-``[state] backend = "redis"`` puts per-key rate limits (gateway/rate_limit.py) and budget
+``[state] backend = "redis"`` puts per-key rate limits (gateway/serving/admission.py) and budget
 totals (plugins/builtin/cost/budget.py) here, so that replicas behind a load balancer count
 against one total. Every read-modify-write is one Lua script run by Redis itself: two
 replicas admitting the same key at the same instant cannot both take the last request.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from backends.errors import StateStoreUnavailableError
 
 if TYPE_CHECKING:
-    from gateway.config import StateConfig
+    from gateway.config.types import StateConfig
 
 __all__ = ["RedisState", "StateConfigError", "StateStoreDown", "open_state"]
 

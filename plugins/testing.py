@@ -42,7 +42,7 @@ from plugins.manager import InfermuxPluginManager, create_plugin_manager
 
 if TYPE_CHECKING:
     from backends.base import Backend
-    from gateway.config import InfermuxConfig, PluginsConfig
+    from gateway.config.types import InfermuxConfig, PluginsConfig
     from gateway.testing import LiveGateway
 
 __all__ = [

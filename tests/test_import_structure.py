@@ -1,5 +1,6 @@
-"""The import structure: no module imports itself back through others, and the layers import
-downwards only (core_engine <- backends <- plugins <- gateway).
+"""The import structure: no module imports itself back through others, the layers import
+downwards only (core_engine <- backends <- plugins <- gateway), and inside the gateway a
+request's stages do too (gateway.http -> gateway.openai -> gateway.serving -> gateway.config).
 
 For cycles every ``import`` statement counts, wherever it stands (module level, inside a
 function, under ``TYPE_CHECKING``): a cycle through a lazy import is still two modules that
@@ -151,12 +152,73 @@ def test_layers_import_downwards_only(package: str) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+#: What each of the gateway's stages must not import (every import counts, ``TYPE_CHECKING``
+#: ones too): a name covers its submodules; the third-party names are the web framework and
+#: the ASGI server, which only the HTTP edge knows.
+_WEB = ("litestar", "starlette", "uvicorn")
+_ABOVE_SERVING = ("gateway.http", "gateway.openai", "gateway.anthropic", "gateway.controllers")
+GATEWAY_STAGES_MUST_NOT_IMPORT = {
+    "gateway.config": (
+        *_ABOVE_SERVING, "gateway.serving", "gateway.app", "gateway.state", "gateway.commands", *_WEB,
+    ),
+    "gateway.serving": (*_ABOVE_SERVING, "gateway.app", "gateway.state", "gateway.commands", *_WEB),
+    "gateway.openai": (
+        "gateway.http", "gateway.anthropic", "gateway.controllers", "gateway.app", "gateway.state",
+        "gateway.commands", *_WEB,
+    ),
+    "gateway.http": ("gateway.controllers", "gateway.app", "gateway.commands"),
+}
+
+
+def _imported_names(path: Path, name: str) -> set[str]:
+    """Every module name an ``import`` statement of ``path`` names, project or not."""
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out.add(module)
+            out.update(f"{module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _covers(prefix: str, module: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("stage", sorted(GATEWAY_STAGES_MUST_NOT_IMPORT))
+def test_gateway_stages_import_downwards_only(stage: str) -> None:
+    forbidden = GATEWAY_STAGES_MUST_NOT_IMPORT[stage]
+    wrong = sorted(
+        f"{name} -> {imported}"
+        for name, path in _modules().items()
+        if _covers(stage, name)
+        for imported in _imported_names(path, name)
+        if any(_covers(prefix, imported) for prefix in forbidden)
+    )
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_graph_sees_the_imports_it_judges() -> None:
     graph, runtime = _graph(), _graph(runtime_only=True)
     # module level (backends/core_engine.py), inside a function (plugins/builtin/cost/plugin.py's
     # lazy Postgres ledger), under TYPE_CHECKING (plugins/hookspecs.py names InfermuxConfig)
     assert "backends.base" in graph["backends.core_engine"]
     assert "plugins.builtin.cost.pg_ledger" in graph["plugins.builtin.cost.plugin"]
-    assert "gateway.config" in graph["plugins.hookspecs"]
-    assert "gateway.config" not in runtime["plugins.hookspecs"]
+    assert "gateway.config.types" in graph["plugins.hookspecs"]
+    assert "gateway.config.types" not in runtime["plugins.hookspecs"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    # the stage rule sees third-party and relative imports, and imports of a name
+    modules = _modules()
+    assert "litestar" in _imported_names(modules["gateway.http.errors"], "gateway.http.errors")
+    assert "gateway.serving.choice_run" in _imported_names(
+        modules["gateway.http.respond"], "gateway.http.respond"
+    )
+    assert not _covers("gateway.http", "gateway.httpx")

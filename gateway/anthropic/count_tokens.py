@@ -17,10 +17,10 @@ from litestar.params import JSONBody
 
 from gateway.anthropic.messages import messages_generation_request
 from gateway.anthropic.schemas import CountTokensRequest, CountTokensResponse, MessagesRequest
-from gateway.auth import api_key_guard
 from gateway.controllers.tokenize import answer_once, tokenizer_backend
-from gateway.request_conversion import RequestContext
-from gateway.request_id import request_id_of
+from gateway.http.auth import api_key_guard
+from gateway.http.request_id import request_id_of
+from gateway.openai.request_conversion import RequestContext
 from gateway.state import GatewayState
 
 __all__ = ["CountTokensController"]

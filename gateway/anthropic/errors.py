@@ -14,7 +14,7 @@ import msgspec
 from litestar import Response
 
 from backends.errors import InfermuxError
-from gateway.request_id import REQUEST_ID_HEADER
+from gateway.http.request_id import REQUEST_ID_HEADER
 
 __all__ = ["PATH_PREFIX", "anthropic_error_frame", "anthropic_error_response", "error_body"]
 

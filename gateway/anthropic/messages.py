@@ -44,12 +44,13 @@ from gateway.anthropic.schemas import (
     ToolUseBlockParam,
     Usage,
 )
-from gateway.choice_run import ChoiceRun
-from gateway.generation_endpoint import GenerationEndpoint
-from gateway.generation_response import Generation
-from gateway.request_conversion import RequestContext
-from gateway.schemas import UsageInfo
-from gateway.structured_outputs import bounded_json
+from gateway.http.endpoint import GenerationEndpoint
+from gateway.http.respond import Generation
+from gateway.openai.request_conversion import RequestContext
+from gateway.openai.schemas import UsageInfo
+from gateway.openai.structured_outputs import bounded_json
+from gateway.openai.usage import usage_info
+from gateway.serving.choice_run import ChoiceRun
 
 __all__ = ["MESSAGES", "messages_generation_request"]
 
@@ -246,7 +247,7 @@ class MessagesOutput:
             model=self.model,
             content=content,
             stop_reason=_STOP_REASONS.get(finish or "stop", "end_turn"),
-            usage=_usage(run.total_usage()),
+            usage=_usage(usage_info(run.total_usage())),
         )
 
     # -- stream events --------------------------------------------------------------------

@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _new(args: argparse.Namespace) -> int:
-    from gateway.auth import generate_key, hash_key
+    from gateway.http.auth import generate_key, hash_key
 
     key = generate_key()
     lines = [
@@ -57,7 +57,7 @@ def _new(args: argparse.Namespace) -> int:
 
 
 def _hash(args: argparse.Namespace) -> int:
-    from gateway.auth import hash_key
+    from gateway.http.auth import hash_key
 
     if sys.stdin.isatty():
         key = getpass.getpass("API key: ")

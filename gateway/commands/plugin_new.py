@@ -142,8 +142,7 @@ from typing import Any
 
 import msgspec
 
-from backends.base import GenerationRequest
-from plugins.hookspecs import hookimpl
+from plugins import GenerationRequest, hookimpl
 
 __version__ = "0.1.0"
 

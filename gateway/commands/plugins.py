@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     """Print the plugin table; exit 1 when a plugin failed and ``--strict`` is given."""
     import msgspec
 
-    from gateway.config import ConfigError, load_config
+    from gateway.config.load import load_config
+    from gateway.config.types import ConfigError
     from plugins.manager import PluginHooks, create_plugin_manager
 
     plugins_config = None

@@ -59,10 +59,11 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from gateway.app import create_app
-    from gateway.auth import check_exposure
-    from gateway.config import ConfigError, load_config
-    from gateway.drain import DrainingServer
-    from gateway.header_limit import uvicorn_header_limit
+    from gateway.config.load import load_config
+    from gateway.config.types import ConfigError
+    from gateway.http.auth import check_exposure
+    from gateway.http.drain import DrainingServer
+    from gateway.http.header_limit import uvicorn_header_limit
     from plugins.manager import PluginLoadError
 
     logging.basicConfig(level=args.log_level.upper(), format=_LOG_FORMAT)
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             access_log=not args.no_access_log,
             lifespan="on",
-            # The drain (gateway/drain.py) has already waited for generation requests.
+            # The drain (gateway/http/drain.py) has already waited for generation requests.
             timeout_graceful_shutdown=math.ceil(cleanup_timeout_s),
             **uvicorn_header_limit(config.limits.max_header_bytes),
         ),

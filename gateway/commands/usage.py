@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _cost_config(args: argparse.Namespace) -> Any:
     """The config's ``[cost]`` (defaults without ``--config``), or 2 on a config error."""
-    from gateway.config import ConfigError, load_config
+    from gateway.config.load import load_config
+    from gateway.config.types import ConfigError
     from plugins.builtin.cost.config import CostConfig
 
     if args.config is None:

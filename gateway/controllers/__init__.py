@@ -28,7 +28,7 @@ __all__ = [
     "responses_endpoint",
 ]
 
-#: The generation endpoints (``@asgi`` handlers built per app: gateway/generation_endpoint.py).
+#: The generation endpoints (``@asgi`` handlers built per app: gateway/http/endpoint.py).
 GENERATION_ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, MESSAGES)
 
 #: Every other controller the app mounts. Those under ``/v1/`` carry the API-key guard.

@@ -1,14 +1,18 @@
-"""``POST /v1/chat/completions`` (served by gateway/generation_endpoint.py)."""
+"""``POST /v1/chat/completions`` (served by gateway/http/endpoint.py)."""
 
 from __future__ import annotations
 
 import time
 
-from gateway.chat_output import ChatOutput
-from gateway.generation_endpoint import GenerationEndpoint
-from gateway.generation_response import Generation
-from gateway.request_conversion import RequestContext, chat_generation_requests, usage_chunk_wanted
-from gateway.schemas import ChatCompletion, ChatCompletionRequest
+from gateway.http.endpoint import GenerationEndpoint
+from gateway.http.respond import Generation
+from gateway.openai.chat_output import ChatOutput
+from gateway.openai.request_conversion import (
+    RequestContext,
+    chat_generation_requests,
+    usage_chunk_wanted,
+)
+from gateway.openai.schemas import ChatCompletion, ChatCompletionRequest
 
 __all__ = ["CHAT_COMPLETIONS"]
 

@@ -1,19 +1,19 @@
 """``POST /v1/completions``, OpenAI's legacy text completions (served by
-gateway/generation_endpoint.py)."""
+gateway/http/endpoint.py)."""
 
 from __future__ import annotations
 
 import time
 
-from gateway.completion_output import CompletionOutput
-from gateway.generation_endpoint import GenerationEndpoint
-from gateway.generation_response import Generation
-from gateway.request_conversion import (
+from gateway.http.endpoint import GenerationEndpoint
+from gateway.http.respond import Generation
+from gateway.openai.completion_output import CompletionOutput
+from gateway.openai.request_conversion import (
     RequestContext,
     completion_generation_requests,
     usage_chunk_wanted,
 )
-from gateway.schemas import Completion, CompletionRequest
+from gateway.openai.schemas import Completion, CompletionRequest
 
 __all__ = ["COMPLETIONS"]
 

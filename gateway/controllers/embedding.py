@@ -1,4 +1,4 @@
-"""``POST /v1/embeddings`` (served by gateway/generation_endpoint.py, as chat is).
+"""``POST /v1/embeddings`` (served by gateway/http/endpoint.py, as chat is).
 
 An embeddings request is one :class:`~backends.base.GenerationRequest` of kind
 ``embedding`` carrying every input, so it takes the path of a one-choice chat request:
@@ -18,11 +18,18 @@ from array import array
 
 from backends.base import GenerationChunk, GenerationRequest
 from backends.errors import InvalidRequestError
-from gateway.choice_run import ChoiceRun
-from gateway.generation_endpoint import GenerationEndpoint
-from gateway.generation_response import Generation
-from gateway.request_conversion import RequestContext
-from gateway.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, UsageInfo
+from gateway.http.endpoint import GenerationEndpoint
+from gateway.http.respond import Generation
+from gateway.openai.request_conversion import RequestContext
+from gateway.openai.schemas import (
+    Embedding,
+    EmbeddingList,
+    EmbeddingRequest,
+    EmbeddingUsage,
+    UsageInfo,
+)
+from gateway.openai.usage import usage_info
+from gateway.serving.choice_run import ChoiceRun
 
 __all__ = ["EMBEDDINGS", "EmbeddingOutput", "embedding_inputs"]
 
@@ -83,7 +90,7 @@ class EmbeddingOutput:
             raise RuntimeError(
                 f"the backend returned {len(self._vectors)} embeddings for {self.num_inputs} inputs"
             )
-        usage = run.total_usage()
+        usage = usage_info(run.total_usage())
         return EmbeddingList(
             data=[
                 Embedding(index=i, embedding=self._encode(vector))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from litestar import Controller, Response, get
 from litestar.di import NamedDependency
 
-from gateway.schemas import HealthResponse, ReadinessResponse
+from gateway.openai.schemas import HealthResponse, ReadinessResponse
 from gateway.state import GatewayState
 
 __all__ = ["HealthController"]

@@ -7,8 +7,8 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 
 from backends.errors import ModelNotFoundError
-from gateway.auth import api_key_guard
-from gateway.schemas import ModelCard, ModelList
+from gateway.http.auth import api_key_guard
+from gateway.openai.schemas import ModelCard, ModelList
 from gateway.state import GatewayState
 
 __all__ = ["ModelController"]

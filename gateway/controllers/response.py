@@ -1,4 +1,4 @@
-"""The Responses API: ``POST /v1/responses`` (served by gateway/generation_endpoint.py),
+"""The Responses API: ``POST /v1/responses`` (served by gateway/http/endpoint.py),
 ``GET`` and ``DELETE /v1/responses/{id}``.
 
 A response is a chat completion underneath: ``input`` (a string or message items), the
@@ -10,7 +10,7 @@ conversion checks them. So every backend serves it, through the same admission, 
 router, ledger (``kind = "chat"``) and traces as chat. The answer is OpenAI's response
 object, or its typed event stream (``response.created`` ... ``response.completed``, each
 with its ``sequence_number``). With ``store`` (the default) the response and its
-conversation go to the :class:`~gateway.response_store.ResponseStore`, keyed on the API key.
+conversation go to the :class:`~gateway.openai.response_store.ResponseStore`, keyed on the API key.
 Function ``tools`` (and ``tool_choice``, ``parallel_tool_calls``) are chat's tools in
 Responses' flat shape; the model's calls are ``function_call`` output items, and a
 follow-up sends ``function_call_output`` items back (as chat's ``role = "tool"`` turns).
@@ -31,14 +31,14 @@ from backends.errors import (
     NotFoundError,
     UnsupportedParameterError,
 )
-from gateway.auth import api_key_guard, api_key_of
-from gateway.errors import invalid_body_error
-from gateway.generation_endpoint import GenerationEndpoint
-from gateway.generation_response import Generation
-from gateway.request_conversion import RequestContext, chat_generation_requests
-from gateway.response_output import ResponseOutput
-from gateway.response_store import ResponseStore
-from gateway.schemas import (
+from gateway.http.auth import api_key_guard, api_key_of
+from gateway.http.endpoint import GenerationEndpoint
+from gateway.http.errors import invalid_body_error
+from gateway.http.respond import Generation
+from gateway.openai.request_conversion import RequestContext, chat_generation_requests
+from gateway.openai.response_output import ResponseOutput
+from gateway.openai.response_store import ResponseStore
+from gateway.openai.schemas import (
     ChatCompletionRequest,
     ChatMessageParam,
     FunctionToolChoice,

@@ -19,11 +19,11 @@ from litestar.params import JSONBody
 
 from backends.base import Backend, ChatMessage, GenerationRequest
 from backends.errors import InvalidRequestError, UnsupportedParameterError
-from gateway.auth import api_key_guard
-from gateway.generation_response import BACKEND_HEADER
-from gateway.request_conversion import RequestContext, chat_generation_requests
-from gateway.request_id import request_id_of
-from gateway.schemas import (
+from gateway.http.auth import api_key_guard
+from gateway.http.request_id import request_id_of
+from gateway.http.respond import BACKEND_HEADER
+from gateway.openai.request_conversion import RequestContext, chat_generation_requests
+from gateway.openai.schemas import (
     ChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,

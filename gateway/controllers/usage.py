@@ -15,7 +15,7 @@ from litestar.di import NamedDependency
 from litestar.params import QueryParameter
 
 from backends.errors import InvalidRequestError, NotFoundError, PermissionDeniedError
-from gateway.auth import api_key_guard, api_key_of
+from gateway.http.auth import api_key_guard, api_key_of
 from gateway.state import GatewayState
 from plugins.usage_report import UsageQuery, UsageReport
 

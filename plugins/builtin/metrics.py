@@ -71,8 +71,8 @@ if TYPE_CHECKING:
 
     from backends.base import Backend, GenerationRequest
     from backends.errors import InfermuxError
-    from gateway.config import InfermuxConfig
-    from gateway.observability_config import SloConfig
+    from gateway.config.telemetry import SloConfig
+    from gateway.config.types import InfermuxConfig
     from plugins.request_summary import RequestSummary
 
 __all__ = ["BackendStatsCollector", "MetricsPlugin", "create_plugin"]

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
     from backends.base import BackendConfig, GenerationRequest
     from backends.errors import InfermuxError
-    from gateway.config import InfermuxConfig
+    from gateway.config.types import InfermuxConfig
     from plugins.request_summary import ChoiceSummary, RequestSummary
 
 __all__ = ["TracingPlugin", "create_plugin"]

@@ -26,7 +26,7 @@ _EVALUATE = textwrap.dedent(
     import asyncio
     from backends.base import BackendConfig, GenerationRequest, SamplingParams
     from backends.llamacpp import create_backend
-    from gateway.config import default_backends
+    from gateway.config.load import default_backends
 
     async def main():
         config = next(b for b in default_backends() if b.kind == "llamacpp")

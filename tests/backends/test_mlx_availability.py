@@ -15,7 +15,8 @@ from backends.base import BackendConfig
 from backends.errors import BackendUnavailableError
 from backends.mlx import INSTALL_HINT, create_backend, is_available, is_installed
 from gateway.app import create_app
-from gateway.config import ConfigError, default_config
+from gateway.config.load import default_config
+from gateway.config.types import ConfigError
 from gateway.testing import gateway_config, mock_backend
 
 MLX = BackendConfig(name="mlx", kind="mlx")

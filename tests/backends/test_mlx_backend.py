@@ -29,7 +29,7 @@ from backends.errors import (
 )
 from backends.mlx import create_backend
 from backends.mlx.backend import MLXBackend
-from gateway.config import config_from_dict
+from gateway.config.load import config_from_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

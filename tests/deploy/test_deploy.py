@@ -24,8 +24,9 @@ import pytest
 import yaml
 from helm_template import render_chart
 
-from gateway.auth import check_exposure
-from gateway.config import ConfigError, config_from_dict, load_config
+from gateway.config.load import config_from_dict, load_config
+from gateway.config.types import ConfigError
+from gateway.http.auth import check_exposure
 from gateway.testing import gateway_config, mock_backend
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.config import default_config
+from gateway.config.load import default_config
 from gateway.testing import LiveGateway
 
 

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from backends.base import BackendConfig
-from gateway.config import ApiKeyConfig, AuthConfig
+from gateway.config.types import ApiKeyConfig, AuthConfig
 from gateway.testing import LiveGateway, gateway_config
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from backends.base import BackendConfig
-from gateway.config import ReasoningConfig
+from gateway.config.types import ReasoningConfig
 from gateway.testing import LiveGateway, gateway_config
 
 pytestmark = pytest.mark.slow

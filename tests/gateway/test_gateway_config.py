@@ -8,7 +8,8 @@ import pytest
 
 from backends.default_model import DEFAULT_MODEL_ALIAS
 from gateway.app import create_app
-from gateway.config import ConfigError, InfermuxConfig, default_config, load_config
+from gateway.config.load import default_config, load_config
+from gateway.config.types import ConfigError, InfermuxConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import ServerConfig
+from gateway.config.types import ServerConfig
 from gateway.testing import LiveGateway, gateway_config, mock_backend
 
 MESSAGES = [{"role": "user", "content": "hello world"}]

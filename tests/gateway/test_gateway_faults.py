@@ -18,7 +18,7 @@ import pytest
 
 from backends.errors import GenerationAbortedError, InvalidRequestError
 from backends.mock import MockBackend
-from gateway.config import PluginsConfig
+from gateway.config.types import PluginsConfig
 from gateway.testing import gateway_config, mock_backend
 from plugins.hookspecs import hookimpl
 from plugins.manager import create_plugin_manager

@@ -15,9 +15,9 @@ import msgspec
 import openai
 import pytest
 
-from gateway.auth import hash_key
-from gateway.config import ApiKeyConfig, AuthConfig
-from gateway.response_store import ResponseStore
+from gateway.config.types import ApiKeyConfig, AuthConfig
+from gateway.http.auth import hash_key
+from gateway.openai.response_store import ResponseStore
 from gateway.testing import LiveGateway, gateway_config, mock_backend
 
 ALICE = "sk-alice-responses-0123456789"

@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from backends.base import BackendConfig
-from gateway.auth import hash_key
-from gateway.config import ApiKeyConfig, AuthConfig, PluginsConfig
+from gateway.config.types import ApiKeyConfig, AuthConfig, PluginsConfig
+from gateway.http.auth import hash_key
 from gateway.testing import LiveGateway, gateway_config, run_gateway
 from plugins.testing import HookRecorder, installed_plugin, make_plugin_manager
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.config import ConfigError, PluginsConfig, config_from_dict
+from gateway.config.load import config_from_dict
+from gateway.config.types import ConfigError, PluginsConfig
 from plugins.builtin.cost.plugin import ENV_LEDGER_PATH
 from plugins.manager import PluginLoadError, PluginRecord, create_plugin_manager
 from plugins.testing import HookRecorder, gateway_config

@@ -11,7 +11,7 @@ import pytest
 import plugins.hookspecs as hookspecs
 from backends.base import BackendConfig, GenerationRequest
 from backends.errors import BackendUnavailableError, InvalidRequestError
-from gateway.config import PluginsConfig
+from gateway.config.types import PluginsConfig
 from plugins.builtin.backend_kinds import LazyBackendFactory
 from plugins.hookspecs import hookimpl
 from plugins.manager import PluginHooks, create_plugin_manager

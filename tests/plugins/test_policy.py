@@ -19,7 +19,7 @@ from core_engine.policy import (
     SpeculationDecision,
     WatermarkOffloadPolicy,
 )
-from gateway.config import PluginsConfig
+from gateway.config.types import PluginsConfig
 from plugins.hookspecs import hookimpl
 from plugins.manager import PluginLoadError, create_plugin_manager
 from plugins.policy import engine_policies

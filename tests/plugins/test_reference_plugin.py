@@ -21,7 +21,8 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.config import InfermuxConfig, config_from_dict
+from gateway.config.load import config_from_dict
+from gateway.config.types import InfermuxConfig
 from gateway.testing import run_gateway
 from plugins.builtin.cost.plugin import ENV_LEDGER_PATH
 from plugins.manager import create_plugin_manager

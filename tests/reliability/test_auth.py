@@ -15,10 +15,10 @@ import openai
 import pytest
 from reliability_util import assert_still_serving, chat_body, envelope
 
-from gateway import auth
 from gateway.app import create_app
-from gateway.auth import KeyStore, check_exposure, hash_key
-from gateway.config import ApiKeyConfig, AuthConfig, ConfigError, ServerConfig
+from gateway.config.types import ApiKeyConfig, AuthConfig, ConfigError, ServerConfig
+from gateway.http import auth
+from gateway.http.auth import KeyStore, check_exposure, hash_key
 from gateway.testing import LiveGateway, gateway_config, mock_backend
 
 ALICE = "imx-alice-0123456789"

@@ -18,7 +18,7 @@ import pytest
 from reliability_util import assert_still_serving, chat_body, envelope
 from upstream_server import UpstreamServer
 
-from gateway.config import LimitsConfig, ServerConfig
+from gateway.config.types import LimitsConfig, ServerConfig
 from gateway.testing import LiveGateway, gateway_config, mock_backend
 
 LIMITS = LimitsConfig(

@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from gateway.structured_outputs import EXTENSION_FIELDS
+from gateway.openai.structured_outputs import EXTENSION_FIELDS
 from gateway.testing import LiveGateway, gateway_config, mock_backend
 
 CHECKS = [

@@ -10,8 +10,8 @@ import openai
 import pytest
 from reliability_util import assert_still_serving, chat_body, envelope, wait_until
 
-from gateway.auth import hash_key
-from gateway.config import ApiKeyConfig, AuthConfig, LimitsConfig
+from gateway.config.types import ApiKeyConfig, AuthConfig, LimitsConfig
+from gateway.http.auth import hash_key
 from gateway.testing import gateway_config, mock_backend
 
 KEYS = AuthConfig(

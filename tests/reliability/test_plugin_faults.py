@@ -17,7 +17,7 @@ from reliability_util import (
     wait_until,
 )
 
-from gateway.config import LimitsConfig, PluginsConfig
+from gateway.config.types import LimitsConfig, PluginsConfig
 from gateway.testing import gateway_config, mock_backend
 from plugins.hookspecs import hookimpl
 

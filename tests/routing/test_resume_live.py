@@ -24,7 +24,8 @@ import pytest
 
 from backends.base import BackendConfig, GenerationChunk, GenerationRequest
 from backends.errors import BackendUnavailableError
-from gateway.config import ConfigError, config_from_dict
+from gateway.config.load import config_from_dict
+from gateway.config.types import ConfigError
 from gateway.testing import LiveGateway, gateway_config
 from plugins.builtin.cost.config import CostConfig, PriceConfig
 from plugins.hookspecs import hookimpl

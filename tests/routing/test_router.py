@@ -30,8 +30,8 @@ from backends.errors import (
     UpstreamTimeoutError,
 )
 from backends.mock import MockBackend
-from gateway.config import ModelConfig
-from gateway.router import ModelRouter, RoutedStream
+from gateway.config.types import ModelConfig
+from gateway.serving.router import ModelRouter, RoutedStream
 from plugins.hookspecs import hookimpl
 from plugins.manager import PluginHooks, create_plugin_manager
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from servers import Gateway, RedisServer, serving
 
-from gateway.auth import hash_key
+from gateway.http.auth import hash_key
 
 TEN_WORDS = " ".join(f"w{i}" for i in range(10))
 # (id, limits): one key per test, so tests sharing the replicas do not share a bucket.

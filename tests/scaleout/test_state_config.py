@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from servers import REPO
 
-from gateway.config import ConfigError, config_from_dict
+from gateway.config.load import config_from_dict
+from gateway.config.types import ConfigError
 from plugins.shared_state import StateConfigError, open_state
 
 

@@ -15,7 +15,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from backends.base import Backend, BackendConfig
-from gateway.config import InfermuxConfig, config_from_dict
+from gateway.config.load import config_from_dict
+from gateway.config.types import InfermuxConfig
 from gateway.testing import LiveGateway, run_gateway
 from plugins.builtin.metrics import MetricsPlugin
 from plugins.builtin.tracing import TracingPlugin

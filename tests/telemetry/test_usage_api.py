@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.auth import hash_key
 from gateway.cli import main as infermux
+from gateway.http.auth import hash_key
 from tests.telemetry.telemetry_util import Telemetry, make_config, mock
 
 KEYS = {"team-a": "sk-team-a-" + "a" * 32, "team-b": "sk-team-b-" + "b" * 32}

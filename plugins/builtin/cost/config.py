@@ -1,6 +1,6 @@
 """``[cost]``'s config: prices, the usage ledger, budgets (docs/observability.md).
 
-The cost plugin's own structs; :class:`gateway.config.InfermuxConfig` holds a
+The cost plugin's own structs; :class:`gateway.config.types.InfermuxConfig` holds a
 :class:`CostConfig` as its ``cost`` table and cross-checks it against the backends, aliases
 and keys.
 """

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from backends.base import GenerationRequest
     from backends.errors import InfermuxError
-    from gateway.config import InfermuxConfig
+    from gateway.config.types import InfermuxConfig
     from plugins.builtin.cost.shared_budget import SharedBudgetBook
     from plugins.request_summary import RequestSummary
     from plugins.shared_state import RedisState

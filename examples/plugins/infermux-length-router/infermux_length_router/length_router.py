@@ -21,8 +21,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from backends.base import GenerationRequest
-from plugins.hookspecs import hookimpl
+from plugins import GenerationRequest, hookimpl
 
 __all__ = ["LengthRouter", "LengthRouterSettings", "create_plugin", "prompt_length"]
 

@@ -24,9 +24,7 @@ from typing import Any
 
 import msgspec
 
-from backends.base import GenerationRequest
-from backends.errors import InvalidRequestError
-from plugins.hookspecs import hookimpl
+from plugins import GenerationRequest, InvalidRequestError, hookimpl
 
 __all__ = ["TenantTagger", "TenantTaggerSettings", "create_plugin"]
 

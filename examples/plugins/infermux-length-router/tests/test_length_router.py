@@ -6,7 +6,7 @@ import httpx
 import pytest
 from infermux_length_router.length_router import create_plugin, prompt_length
 
-from backends.base import ChatMessage, GenerationRequest
+from plugins import ChatMessage, GenerationRequest
 from plugins.manager import PluginHooks
 from plugins.testing import gateway_config, make_plugin_manager, mock_backend
 

@@ -7,9 +7,8 @@ import openai
 import pytest
 from infermux_length_router.tenant_tagger import create_plugin
 
-from backends.base import GenerationRequest
-from backends.errors import InvalidRequestError
-from gateway.config import PluginsConfig
+from gateway.config.types import PluginsConfig
+from plugins import GenerationRequest, InvalidRequestError
 from plugins.manager import PluginHooks
 from plugins.testing import gateway_config, make_plugin_manager
 
