@@ -200,7 +200,7 @@ def test_first_byte_timeout_falls_back_to_the_next_backend(
             frames = sse_frames(response)
         assert response.headers["x-infermux-backend"] == "b"
         assert frames[-1] == "[DONE]"
-        a.wait_until(lambda: a.num_disconnects == 1)
+        a.wait_until(lambda: a.num_disconnects == 1, timeout_s=30.0)  # over TLS: a close_notify exchange
 
 
 # -- upstream 429 ---------------------------------------------------------------------------
