@@ -48,7 +48,7 @@ from gateway.http.endpoint import GenerationEndpoint
 from gateway.http.respond import Generation
 from gateway.openai.request_conversion import RequestContext
 from gateway.openai.schemas import UsageInfo
-from gateway.openai.structured_outputs import bounded_json
+from gateway.openai.tools import OfferedTool, check_named_choice, check_tools
 from gateway.openai.usage import usage_info
 from gateway.serving.choice_run import ChoiceRun
 
@@ -100,16 +100,12 @@ def _turns(index: int, role: str, content: Any) -> list[ChatMessage]:
 
 def _tools(body: MessagesRequest, context: RequestContext) -> dict[str, Any]:
     tools = body.tools or []
-    limits = context.limits
-    if len(tools) > limits.max_tools:
-        raise InvalidRequestError(f"at most {limits.max_tools} tools are allowed per request", param="tools")
-    names: set[str] = set()
+    names = check_tools(
+        [OfferedTool(t.name, t.input_schema, f"tools[{i}].name", f"tools[{i}].input_schema") for i, t in enumerate(tools)],
+        context.limits,
+    )
     offered = []
-    for i, tool in enumerate(tools):
-        if tool.name in names:
-            raise InvalidRequestError(f"two tools are named {tool.name!r}", param=f"tools[{i}].name")
-        names.add(tool.name)
-        bounded_json(tool.input_schema, f"tools[{i}].input_schema", limits)
+    for tool in tools:
         function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             function["description"] = tool.description
@@ -121,9 +117,7 @@ def _tools(body: MessagesRequest, context: RequestContext) -> dict[str, Any]:
     if choice.disable_parallel_tool_use:
         fields["parallel_tool_calls"] = False
     if choice.type == "tool":
-        if choice.name not in names:
-            raise InvalidRequestError(f"tool_choice names {choice.name!r}, which is not one of the tools",
-                                      param="tool_choice.name")
+        check_named_choice(choice.name, names, "tool_choice.name")
         fields.update(tool_choice="function", tool_function=choice.name)
     elif choice.type == "any":
         if not offered:

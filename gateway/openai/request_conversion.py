@@ -18,7 +18,8 @@ from backends.errors import InvalidRequestError, UnsupportedParameterError
 from gateway.config.types import LimitsConfig, ReasoningConfig
 from gateway.openai.response_format import checked_response_format
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.openai.structured_outputs import bounded_json, structured_outputs_of
+from gateway.openai.structured_outputs import structured_outputs_of
+from gateway.openai.tools import OfferedTool, check_named_choice, check_tools
 
 __all__ = [
     "SMUGGLING_FIELDS",
@@ -248,18 +249,14 @@ def _tools(
 ) -> tuple[tuple[dict[str, Any], ...], Any, str | None]:
     """The offered tools as plain dicts, ``tool_choice`` normalised, the named function."""
     tools = body.tools or []
-    if len(tools) > limits.max_tools:
-        raise InvalidRequestError(f"at most {limits.max_tools} tools are allowed per request", param="tools")
-    names: set[str] = set()
-    offered = []
-    for i, tool in enumerate(tools):
-        function = tool.function
-        if function.name in names:
-            raise InvalidRequestError(f"two tools are named {function.name!r}", param=f"tools[{i}].function.name")
-        names.add(function.name)
-        if function.parameters is not None:
-            bounded_json(function.parameters, f"tools[{i}].function.parameters", limits)
-        offered.append(msgspec.to_builtins(tool))
+    names = check_tools(
+        [
+            OfferedTool(t.function.name, t.function.parameters, f"tools[{i}].function.name", f"tools[{i}].function.parameters")
+            for i, t in enumerate(tools)
+        ],
+        limits,
+    )
+    offered = [msgspec.to_builtins(tool) for tool in tools]
     choice = body.tool_choice
     if choice is None:
         return tuple(offered), ("auto" if offered else "none"), None
@@ -268,8 +265,7 @@ def _tools(
             raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
         return tuple(offered), choice, None
     name = choice.function.name
-    if name not in names:
-        raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
+    check_named_choice(name, names, "tool_choice")
     return tuple(offered), "function", name
 
 
