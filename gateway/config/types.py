@@ -148,6 +148,10 @@ class ApiKeyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: Generation requests of this key in flight at once (across replicas with
     #: ``[state] backend = "redis"``); one more is refused with 429. None: no cap.
     max_concurrent: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: This key's latency SLO for the ``slo_cost`` strategy: over the alias's, under the
+    #: request's own ``x-infermux-ttft-slo-ms`` / ``x-infermux-tpot-slo-ms`` headers.
+    ttft_slo_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    tpot_slo_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class AuthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

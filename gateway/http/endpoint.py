@@ -26,7 +26,7 @@ from litestar.handlers import ASGIRouteHandler, asgi
 from litestar.types import HTTPScope, Receive, Scope, Send
 
 from backends.errors import GenerationAbortedError, InvalidRequestError, RequestTooLargeError
-from gateway.config.types import ServerConfig
+from gateway.config.types import ApiKeyConfig, ServerConfig
 from gateway.http.auth import authorize
 from gateway.http.body_check import check_raw_body
 from gateway.http.errors import MethodNotAllowedError, invalid_body_error
@@ -43,6 +43,16 @@ BodyT = TypeVar("BodyT", bound=msgspec.Struct)
 _ALLOW = [(b"allow", b"OPTIONS, POST")]
 #: A request's latency SLO (the ``slo_cost`` routing strategy reads them from the labels).
 SLO_HEADERS = (TTFT_SLO_HEADER, TPOT_SLO_HEADER)
+
+
+def _with_key_slo(labels: dict[str, str], api_key: ApiKeyConfig | None) -> dict[str, str]:
+    """The API key's SLO (``[[auth.keys]] ttft_slo_ms / tpot_slo_ms``) where the request's
+    headers set none: header, then key, then the alias's own (read by ``slo_cost``)."""
+    if api_key is not None:
+        for header, value in ((TTFT_SLO_HEADER, api_key.ttft_slo_ms), (TPOT_SLO_HEADER, api_key.tpot_slo_ms)):
+            if value is not None and header not in labels:
+                labels[header] = f"{value:g}"
+    return labels
 
 
 class GenerationEndpoint(Generic[BodyT]):
@@ -117,7 +127,7 @@ async def _serve(
             limits=config.limits,
             reasoning=config.reasoning,
             traceparent=headers.get("traceparent"),
-            labels=header_labels(headers, (*config.plugins.request_headers, *SLO_HEADERS)),
+            labels=_with_key_slo(header_labels(headers, (*config.plugins.request_headers, *SLO_HEADERS)), api_key),
             api_key_id=api_key.id if api_key is not None else None,
         ),
     )

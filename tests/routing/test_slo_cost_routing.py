@@ -85,3 +85,37 @@ def test_the_alias_slo_applies_without_headers(upstream_servers: StartUpstream, 
         # A header SLO overrides the alias's.
         assert _served_by(gw, {"x-infermux-ttft-slo-ms": "1000"}) == "cheap"
     telemetry.tracer_provider.shutdown()
+
+
+def test_an_api_keys_slo_applies_over_the_aliases(upstream_servers: StartUpstream, tmp_path: Path) -> None:
+    import hashlib
+
+    import msgspec
+
+    from gateway.config.types import ApiKeyConfig, AuthConfig
+
+    cheap = upstream_servers(Behaviour(first_chunk_delay_s=0.2), name="cheap")
+    fast = upstream_servers(Behaviour(), name="fast")
+    keys = {"strict": "sk-strict", "relaxed": "sk-relaxed"}
+    auth = AuthConfig(keys=[
+        ApiKeyConfig(id="strict", key_sha256=hashlib.sha256(b"sk-strict").hexdigest(), ttft_slo_ms=50.0),
+        ApiKeyConfig(id="relaxed", key_sha256=hashlib.sha256(b"sk-relaxed").hexdigest()),
+    ])
+    config = msgspec.structs.replace(_config(cheap, fast, ttft_slo_ms=1000.0), auth=auth)
+    telemetry = Telemetry()
+
+    def bearer(key: str, **extra: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {keys[key]}", **extra}
+
+    with telemetry_gateway_for(telemetry, tmp_path, config) as gw:
+        assert _served_by(gw, bearer("relaxed")) == "cheap"  # measured: 200 ms, within the alias's 1 s
+        assert [_served_by(gw, bearer("strict")) for _ in range(2)] == ["fast", "fast"]  # its 50 ms
+        assert _served_by(gw, bearer("relaxed")) == "cheap"
+        # The request's own header still comes first.
+        assert _served_by(gw, bearer("strict", **{"x-infermux-ttft-slo-ms": "1000"})) == "cheap"
+    decisions = [
+        json.loads(str(s.attributes["infermux.routing.decision"]))
+        for s in telemetry.finished() if s.name == "route echo"
+    ]
+    assert [d["ttft_slo_ms"] for d in decisions] == [1000.0, 50.0, 50.0, 1000.0, 1000.0]
+    telemetry.tracer_provider.shutdown()
