@@ -10,9 +10,11 @@ starts through :func:`_while_connected`, then (streams) through the streaming re
 disconnect listener. The slot is freed as soon as the upstream work has stopped, before
 plugins hear how each choice ended.
 
-The final bytes (``data: [DONE]``, the JSON body, an SSE error frame) go out only after
-``on_request_end`` returned (:func:`_end`): the usage ledger has committed the request's
-record by then, so a completed response is never missing from it.
+The request's clean-up has one owner, :class:`~gateway.serving.request_life.RequestLife`:
+the final bytes (``data: [DONE]``, the JSON body, an SSE error frame) go out only after its
+:meth:`~gateway.serving.request_life.RequestLife.finish` (upstream stopped, slot freed,
+``on_request_end`` returned: the usage ledger has committed the request's record, so a
+completed response is never missing from it); every way out ends in its ``aclose``.
 
 Answers are written as ASGI messages (see gateway/http/endpoint.py for why).
 """
@@ -38,8 +40,8 @@ from gateway.http.request_id import REQUEST_ID_HEADER
 from gateway.openai.schemas import UsageInfo
 from gateway.openai.sse import DONE_FRAME, SSE_HEADERS
 from gateway.openai.usage import usage_info
-from gateway.serving.admission import Grant
 from gateway.serving.choice_run import ChoiceRun
+from gateway.serving.request_life import RequestLife
 from gateway.state import GatewayState
 
 __all__ = ["BACKEND_HEADER", "Generation", "OutputBuilder", "respond"]
@@ -99,7 +101,7 @@ async def respond(
         ]
     output = generation.output
 
-    async def admitted_run(*, collect: bool) -> tuple[Grant, ChoiceRun]:
+    async def admitted(*, collect: bool) -> RequestLife:
         """Admission, then the choices opened and, for an answer in one body, read."""
         grant = await gateway.admission.admit(api_key)
         try:
@@ -112,75 +114,68 @@ async def respond(
                 capture_output=gateway.config.telemetry.tracing.record_content,
             )
         except BaseException:
-            await grant.release()
+            await grant.release()  # nothing opened: the slot is all there is to give back
             raise
+        life = RequestLife(run, grant)
         if collect:
             try:
                 await run.collect(output.add)
             except BaseException:
-                await _settle(run, grant)
-                await run.report()
+                await life.aclose()
                 raise
-        return grant, run
+        return life
 
     if generation.stream:
         # Until the first chunk exists a disconnect is watched here; then by the response.
-        grant, run = await _while_connected(receive, admitted_run(collect=False))
-        await _stream(scope, receive, send, run, generation, grant, request_id)
+        life = await _while_connected(receive, admitted(collect=False))
+        await _stream(scope, receive, send, life, generation, request_id)
         return
 
-    grant, run = await _while_connected(receive, admitted_run(collect=True))
+    life = await _while_connected(receive, admitted(collect=True))
     try:
-        body = msgspec.json.encode(output.body(run))
-    except BaseException:
-        await _settle(run, grant)
-        await run.report()
-        raise
-    await _end(run, grant)
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(body)),
-        *_encoded(
-            {
-                **grant.headers,
-                BACKEND_HEADER: ", ".join(run.backend_names),
-                REQUEST_ID_HEADER: request_id,
-            }
-        ),
-    ]
-    try:
+        body = msgspec.json.encode(output.body(life.run))
+        await _finish(life)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            *_encoded(
+                {
+                    **life.grant.headers,
+                    BACKEND_HEADER: ", ".join(life.run.backend_names),
+                    REQUEST_ID_HEADER: request_id,
+                }
+            ),
+        ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
     finally:
         # Plugins hear about the response after it was sent.
-        await run.report()
+        await life.aclose()
 
 
 async def _stream(
     scope: Scope,
     receive: Receive,
     send: Send,
-    run: ChoiceRun,
+    life: RequestLife,
     generation: Generation,
-    grant: Grant,
     request_id: str,
 ) -> None:
-    frames = _sse(run, generation, request_id, grant)
+    frames = _sse(life, generation, request_id)
 
     async def finish_stream() -> None:
         # Runs after a disconnect too; closing a finished generator is a no-op, and a
-        # generator that never started still gets its run aborted and reported here.
+        # generator that never started still gets its request's clean-up here.
         await frames.aclose()
-        await _settle(run, grant)
-        await run.report()
+        await life.aclose()
 
     response = ASGIStreamingResponse(
         iterator=frames,
         media_type="text/event-stream",
         headers={
             **SSE_HEADERS,
-            **grant.headers,
-            BACKEND_HEADER: ", ".join(run.backend_names),
+            **life.grant.headers,
+            BACKEND_HEADER: ", ".join(life.run.backend_names),
             REQUEST_ID_HEADER: request_id,
         },
         background=BackgroundTask(finish_stream),
@@ -199,25 +194,16 @@ def _shielded() -> anyio.CancelScope:
     return anyio.CancelScope(shield=True, deadline=anyio.current_time() + _CLOSE_TIMEOUT_S)
 
 
-async def _settle(run: ChoiceRun, grant: Grant) -> None:
-    """Stop the upstream work, then free the slot and charge the tokens (idempotent)."""
-    await run.abort()
-    total = run.total_usage()
-    await grant.release(total.prompt_tokens + total.completion_tokens)
-
-
-async def _end(run: ChoiceRun, grant: Grant) -> None:
+async def _finish(life: RequestLife) -> None:
     """Before the final bytes: stop the upstream work, free the slot, end the request for
     the plugins (the usage record is committed when this returns). Not cancellable."""
     with _shielded():
-        await _settle(run, grant)
-        await run.end_request()
+        await life.finish()
 
 
-async def _sse(
-    run: ChoiceRun, generation: Generation, request_id: str, grant: Grant
-) -> AsyncGenerator[bytes, None]:
+async def _sse(life: RequestLife, generation: Generation, request_id: str) -> AsyncGenerator[bytes, None]:
     output = generation.output
+    run = life.run
     try:
         start = output.start_frames()
         if start:
@@ -226,24 +212,23 @@ async def _sse(
             frames = output.chunk_frames(position, chunk)
             if frames:
                 yield frames
-        await _end(run, grant)
+        await _finish(life)
         end = output.end_frames(usage_info(run.total_usage()))
         if end:
             yield end
         if generation.done_frame:
             yield generation.done_frame
     except InfermuxError as exc:
-        await _end(run, grant)
+        await _finish(life)
         yield generation.error_frame(exc)
     except Exception as exc:
-        await _end(run, grant)
+        await _finish(life)
         yield generation.error_frame(to_infermux_error(exc, request_id))
     finally:
-        # Cancelled by a disconnect: the cancellation must not interrupt the abort. The slot
-        # is freed before plugins are told, so a slow plugin cannot hold it.
+        # Cancelled by a disconnect: the cancellation must not interrupt the clean-up. The
+        # slot is freed before plugins are told, so a slow plugin cannot hold it.
         with _shielded():
-            await _settle(run, grant)
-            await run.report()
+            await life.aclose()
 
 
 async def _while_connected(receive: Receive, work: Awaitable[T]) -> T:

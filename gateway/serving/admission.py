@@ -275,16 +275,14 @@ class Grant:
         self._key = key
         self.headers = headers
         self._lease = lease
-        self._released = False
 
     async def release(self, num_tokens: int = 0) -> None:
-        """Free the slot and the lease, then charge ``num_tokens`` to the key (idempotent).
+        """Free the slot and the lease, then charge ``num_tokens`` to the key. Called once, by
+        the request's owner (:class:`~gateway.serving.request_life.RequestLife`; before the
+        choices opened, by the code that admitted it).
 
         Awaited, so that with shared limits the charge is in Redis before the response's
         last bytes leave and the client's next request, on any replica, sees it."""
-        if self._released:
-            return
-        self._released = True
         self._admission.concurrency.release()
         limiter = self._admission.rate_limiter
         if self._lease is not None and self._key is not None:

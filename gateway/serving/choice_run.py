@@ -1,19 +1,16 @@
 """The backend streams behind one HTTP request (one per choice) and their bookkeeping.
 
-A :class:`ChoiceRun` opens every choice through the router concurrently, merges their
-chunks in arrival order, and guarantees that each choice that reached a backend is
-reported exactly once: ``on_response`` when it finished, ``on_error`` when it failed, was
-abandoned because a sibling failed, or the client went away. :meth:`ChoiceRun.abort` stops
-abandoned upstream work, :meth:`ChoiceRun.report` tells the plugins, :meth:`ChoiceRun.aclose`
-does both; all three are idempotent. A choice that failed or was abandoned after streaming tokens is reported
-with partial usage: the completion tokens streamed so far (prompt tokens only when the backend
-reported them, else 0).
+A :class:`ChoiceRun` opens every choice through the router concurrently and merges their
+chunks in arrival order. Its steps :meth:`~ChoiceRun.abort` (stop unfinished upstream work),
+:meth:`~ChoiceRun.end_request` (``on_request_end``, a summary of outcomes, usage and timings)
+and :meth:`~ChoiceRun.report` (``on_response`` when a choice finished, ``on_error`` when it
+failed, was abandoned because a sibling failed, or the client went away) are each run once,
+in that order, by the request's owner, :class:`~gateway.serving.request_life.RequestLife`.
+A choice that failed or was abandoned after streaming tokens is reported with partial usage
+(:meth:`~gateway.serving.choice_state.ChoiceState.usage_so_far`).
 
-The request as a whole is reported too: ``on_request_start`` when :meth:`ChoiceRun.open`
-begins, and exactly one ``on_request_end`` (a summary of outcomes, usage and timings): by
-``open`` when opening fails, else by :meth:`ChoiceRun.end_request`, which the response code
-awaits after :meth:`ChoiceRun.abort` and *before* the final bytes, so that plugins which
-must persist something (the usage ledger) are done when the client sees the end.
+``on_request_start`` comes when :meth:`ChoiceRun.open` begins; when opening fails, ``open``
+itself reports ``on_request_end`` and abandons what opened (:meth:`ChoiceRun.abandon`).
 """
 
 from __future__ import annotations
@@ -62,11 +59,8 @@ class ChoiceRun:
         self.choices = choices
         self.n = n
         self._tasks: list[asyncio.Task[None]] = []
-        self._aborted = False
-        self._reported = False
         #: The request's start; None for the runs ``open`` builds only to abandon streams.
         self._clock = clock
-        self._request_ended = clock is None
 
     @classmethod
     async def open(
@@ -145,7 +139,7 @@ class ChoiceRun:
         except BaseException:
             # Cancelled (client gone): abandon whatever opened meanwhile.
             await _settle(tasks)
-            await cls(hooks, _opened(transformed, tasks), n=n).aclose()
+            await cls(hooks, _opened(transformed, tasks), n=n).abandon()
             await _report_abandoned(hooks, _unopened(transformed, tasks))
             raise
         if not pending and all(t.exception() is None for t in tasks):
@@ -160,7 +154,7 @@ class ChoiceRun:
             ]
         # One choice failed: the whole request fails. Abandon the siblings.
         await _settle(tasks)
-        await cls(hooks, _opened(transformed, tasks), n=n).aclose()
+        await cls(hooks, _opened(transformed, tasks), n=n).abandon()
         failures = [
             (request, task.exception())
             for request, task in zip(transformed, tasks, strict=True)
@@ -240,16 +234,15 @@ class ChoiceRun:
         choices reported; the wire's ``usage`` is :func:`gateway.openai.schemas.usage_info`."""
         return openai_usage([choice.usage for choice in self.choices], self.n)
 
-    async def aclose(self) -> None:
-        """Abort unfinished choices upstream, then report every choice once (idempotent)."""
+    async def abandon(self) -> None:
+        """For the streams ``open`` opened before a sibling failed (no request of their own
+        to end): stop them upstream, then report each choice."""
         await self.abort()
         await self.report()
 
     async def abort(self) -> None:
-        """Stop the upstream work of every unfinished choice (idempotent)."""
-        if self._aborted:
-            return
-        self._aborted = True
+        """Stop the upstream work of every unfinished choice; their usage becomes what they
+        streamed (run once, first)."""
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -271,24 +264,13 @@ class ChoiceRun:
                 choice.usage = choice.usage_so_far()
 
     async def end_request(self) -> None:
-        """Tell the plugins the request ended (``on_request_end``, once; aborts first).
-
-        Awaited before the response's final bytes; :meth:`report` calls it too, for paths
-        that end without final bytes (the client went away).
-        """
-        await self.abort()
-        if self._request_ended:
-            return
-        self._request_ended = True
-        assert self._clock is not None
+        """Tell the plugins the request ended (``on_request_end``; run once, after
+        :meth:`abort`, before the response's final bytes)."""
+        assert self._clock is not None, "a run built to abandon streams has no request to end"
         await self.hooks.on_request_end(summary=run_summary(self._clock, self.choices, n=self.n))
 
     async def report(self) -> None:
-        """Tell the plugins how every choice ended, once each (aborts first if needed)."""
-        await self.end_request()
-        if self._reported:
-            return
-        self._reported = True
+        """Tell the plugins how every choice ended (run once, last)."""
         for choice in self.choices:
             if choice.outcome == "finished":
                 await self.hooks.on_response(
