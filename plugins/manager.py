@@ -16,7 +16,7 @@ signature or implements an unknown hook is reported (logged, listed by ``infermu
 and skipped; the gateway starts without it. With ``strict`` (``[plugins] strict = true``,
 ``infermux serve --strict-plugins``) such a failure raises :class:`PluginLoadError`
 instead. The typed facade the gateway calls hooks through is
-:class:`plugins.hook_facade.PluginHooks`, re-exported here.
+:class:`plugins.plugin_hooks.PluginHooks`, re-exported here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import msgspec
 import pluggy
 
 from plugins import hookspecs
-from plugins.hook_facade import PluginHooks
+from plugins.plugin_hooks import PluginHooks
 
 if TYPE_CHECKING:
     from gateway.config.types import PluginsConfig

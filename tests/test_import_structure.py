@@ -218,7 +218,7 @@ def test_the_graph_sees_the_imports_it_judges() -> None:
     # the stage rule sees third-party and relative imports, and imports of a name
     modules = _modules()
     assert "litestar" in _imported_names(modules["gateway.http.errors"], "gateway.http.errors")
-    assert "gateway.serving.choice_run" in _imported_names(
+    assert "gateway.serving.choices" in _imported_names(
         modules["gateway.http.respond"], "gateway.http.respond"
     )
     assert not _covers("gateway.http", "gateway.httpx")

@@ -50,7 +50,7 @@ from gateway.openai.request_conversion import RequestContext
 from gateway.openai.schemas import UsageInfo
 from gateway.openai.tools import OfferedTool, check_named_choice, check_tools
 from gateway.openai.usage import usage_info
-from gateway.serving.choice_run import ChoiceRun
+from gateway.serving.choices import ChoiceRun
 
 __all__ = ["MESSAGES", "messages_generation_request"]
 

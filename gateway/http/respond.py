@@ -40,7 +40,7 @@ from gateway.http.request_id import REQUEST_ID_HEADER
 from gateway.openai.schemas import UsageInfo
 from gateway.openai.sse import DONE_FRAME, SSE_HEADERS
 from gateway.openai.usage import usage_info
-from gateway.serving.choice_run import ChoiceRun
+from gateway.serving.choices import ChoiceRun
 from gateway.serving.request_life import RequestLife
 from gateway.state import GatewayState
 

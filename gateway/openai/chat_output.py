@@ -25,7 +25,7 @@ from gateway.openai.schemas import (
 )
 from gateway.openai.sse import data_frame
 from gateway.openai.usage import usage_info
-from gateway.serving.choice_run import ChoiceRun
+from gateway.serving.choices import ChoiceRun
 
 __all__ = ["ChatOutput", "chat_logprobs"]
 

@@ -27,7 +27,7 @@ from gateway.openai.schemas import (
     UsageInfo,
 )
 from gateway.openai.usage import usage_info
-from gateway.serving.choice_run import ChoiceRun
+from gateway.serving.choices import ChoiceRun
 
 __all__ = ["ResponseOutput"]
 

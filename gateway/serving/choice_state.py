@@ -1,5 +1,5 @@
 """One choice of a request as it runs: its stream, what it produced, how it ended (written by
-:class:`~gateway.serving.choice_run.ChoiceRun`, read by :mod:`gateway.serving.summary`)."""
+:class:`~gateway.serving.choices.ChoiceRun`, read by :mod:`gateway.serving.summary`)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from contextlib import AsyncExitStack
 
 from gateway.serving.admission import Grant
-from gateway.serving.choice_run import ChoiceRun
+from gateway.serving.choices import ChoiceRun
 
 __all__ = ["RequestLife"]
 

@@ -141,7 +141,7 @@ def _choice_summary(clock: RequestClock, choice: ChoiceState) -> ChoiceSummary:
 def openai_usage(usages: Sequence[Usage | None], n: int) -> Usage:
     """A request's total by OpenAI's rule: each prompt counted once (not ``n`` times; choice
     k of prompt p sits at position p * n + k), every output summed. The response's ``usage``
-    (:meth:`~gateway.serving.choice_run.ChoiceRun.total_usage`) and the summary's both."""
+    (:meth:`~gateway.serving.choices.ChoiceRun.total_usage`) and the summary's both."""
     prompt_tokens = completion_tokens = 0
     cached: int | None = None
     by_tier: dict[str, int] | None = None

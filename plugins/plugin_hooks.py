@@ -27,7 +27,7 @@ import pluggy
 from backends.base import GenerationChunk, GenerationRequest
 from backends.deadline import Deadline
 from backends.errors import InfermuxError
-from plugins.generate_chain import chain_generate
+from plugins.wrap_generate import chain_generate
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -116,7 +116,7 @@ class PluginHooks:
         """``generate(request)`` wrapped by every ``infermux_wrap_generate`` (outermost first).
 
         Without implementations this is ``generate(request)`` itself. Never raises: a
-        wrapper's failure surfaces from the stream (see :mod:`plugins.generate_chain`).
+        wrapper's failure surfaces from the stream (see :mod:`plugins.wrap_generate`).
         """
         impls = self._call_order("infermux_wrap_generate")
         if not impls:
