@@ -51,13 +51,17 @@ class Breaker:
         self.chunks: dict[str, list[GenerationChunk]] = {}
         #: (backend, attempt number, resumed?) of every try (the tracing plugin's spans).
         self.attempts: list[tuple[str, int, bool]] = []
+        #: For each resumed try: whether it continued from the earlier backend's token ids.
+        self.from_ids: list[bool] = []
 
     def arm(self, backend: str | None, after: int | None) -> None:
-        self.backend, self.after, self.chunks, self.attempts = backend, after, {}, []
+        self.backend, self.after, self.chunks, self.attempts, self.from_ids = backend, after, {}, [], []
 
     @hookimpl
     def infermux_on_attempt_start(self, request: GenerationRequest, backend_name: str, attempt: int) -> None:
         self.attempts.append((backend_name, attempt, request.resume is not None))
+        if request.resume is not None:
+            self.from_ids.append(bool(request.resume.token_ids))
 
     @hookimpl
     async def infermux_wrap_generate(
@@ -94,18 +98,23 @@ def setup(live_gateway: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         BackendConfig(name="core2", kind="core_engine", options=CORE, worker_process=False),
         BackendConfig(name="llama", kind="llamacpp", options=LLAMA, worker_process=False),
         BackendConfig(name="mlx", kind="mlx", options={"n_ctx": 512}, worker_process=False),
+        # The same weights under another model id: resumed as another model (from the text).
+        BackendConfig(
+            name="other", kind="core_engine", options={**CORE, "model_id": "smollm2-other"}, worker_process=False
+        ),
         models={
             "cc": ["core1", "core2"],
             "cl": ["core1", "llama"],
             "lc": ["llama", "core2"],
             "cm": ["core1", "mlx"],
             "mc": ["mlx", "core2"],
+            "cx": ["core1", "other"],
             "off": ["core1", "core2"],
             "solo_llama": ["llama"],
             "solo_core2": ["core2"],
             "solo_mlx": ["mlx"],
         },
-        resume_on_failure=("cc", "cl", "lc", "cm", "mc"),
+        resume_on_failure=("cc", "cl", "lc", "cm", "mc", "cx"),
     )
     config = msgspec.structs.replace(
         config,
@@ -228,6 +237,26 @@ def test_a_backend_failing_mid_stream_is_continued_to_the_unbroken_answer(
     assert resumed.usage.prompt_tokens == 2 * unbroken.usage.prompt_tokens + num_sent
 
 
+def test_another_model_continues_from_the_text_received(setup: tuple[LiveGateway, Breaker, Path]) -> None:
+    """Across model ids the next backend gets the tokens of the text the client has (its own
+    tokenizer's), not the failed backend's ids. Same weights here: the answer goes on as the
+    unbroken one does."""
+    gw, breaker, _ = setup
+    breaker.arm(None, None)
+    unbroken = chat(gw, "cx")
+    num_chunks = len(breaker.chunks["core1"])
+    breaker.arm("core1", num_chunks // 2)
+    resumed = chat(gw, "cx")
+    assert set(breaker.chunks) == {"core1", "other"}
+    assert breaker.attempts == [("core1", 0, False), ("other", 1, True)]
+    assert breaker.from_ids == [False]  # the text's tokens, not core1's ids
+    before = "".join(c.text for c in breaker.chunks["core1"])
+    assert resumed.text.startswith(before) and len(resumed.text) > len(before)
+    assert resumed.text == unbroken.text
+    assert resumed.finish_reason == unbroken.finish_reason
+    assert resumed.usage.completion_tokens == MAX_TOKENS
+
+
 def test_two_core_engines_resume_inside_a_multi_byte_character(setup: tuple[LiveGateway, Breaker, Path]) -> None:
     gw, breaker, _ = setup
     breaker.arm(None, None)
@@ -304,6 +333,7 @@ def test_the_ledger_has_one_row_priced_at_both_backends(setup: tuple[LiveGateway
     resumed = chat(gw, "cc")
     assert resumed.request_id is not None
     assert breaker.attempts == [("core1", 0, False), ("core2", 1, True)]
+    assert breaker.from_ids == [True]  # the same model: from core1's exact token ids
     connection = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
     connection.row_factory = sqlite3.Row
     try:
