@@ -24,10 +24,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core_engine.errors import InvalidParamError
 from core_engine.structured.spec import StructuredOutput
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 __all__ = ["MASK_SLICES", "GrammarCompiler", "llguidance_tokenizer"]
 
@@ -87,6 +90,12 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _json_defaults(spec: StructuredOutput) -> JsonCompileOptions | None:
+    """llguidance's JSON options: by default any whitespace between tokens (as JSON allows);
+    ``disable_any_whitespace``: none outside strings."""
+    return {"whitespace_flexible": False} if spec.disable_any_whitespace else None
+
+
 class GrammarCompiler:
     """Matchers for one vocabulary (see the module docstring). Thread-safe."""
 
@@ -132,9 +141,9 @@ class GrammarCompiler:
             if not isinstance(schema, dict):
                 raise InvalidParamError(f"{spec.param}: a JSON schema must be an object", param=spec.param)
             # llguidance reads only what it knows; a schema of "{}" is any JSON value.
-            return matcher.grammar_from_json_schema(schema)
+            return matcher.grammar_from_json_schema(schema, defaults=_json_defaults(spec))
         if spec.json_object:
-            return matcher.grammar_from_json_schema({"type": "object"})
+            return matcher.grammar_from_json_schema({"type": "object"}, defaults=_json_defaults(spec))
         if spec.regex is not None:
             return matcher.grammar_from_regex(spec.regex)
         if spec.choice is not None:

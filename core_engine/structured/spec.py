@@ -26,6 +26,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     choice: tuple[str, ...] | None = None
     #: A Lark grammar (llguidance's dialect), or GBNF (llama.cpp's) when it has ``::=``.
     grammar: str | None = None
+    #: JSON without whitespace outside strings (vLLM's ``disable_any_whitespace``): a sampled
+    #: output cannot spend its tokens on newlines between the items. JSON constraints only.
+    disable_any_whitespace: bool = False
     param: str = "structured_outputs"
 
     def __post_init__(self) -> None:
@@ -49,7 +52,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     def key(self) -> str:
         """A canonical text of the constraint (the compile cache's key)."""
-        value: Any = {n: getattr(self, n) for n in ("json", "json_object", "regex", "choice", "grammar")}
+        value: Any = {
+            n: getattr(self, n) for n in ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
+        }
         if isinstance(value["json"], str):
             try:
                 value["json"] = json.loads(value["json"])

@@ -3,7 +3,7 @@
 OpenAI's ``response_format`` (``json_object``, ``json_schema``; validated by
 :mod:`gateway.openai.response_format`) and the extensions vLLM accepts - ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar`` and ``structured_outputs`` (``{"json"
-| "regex" | "choice" | "grammar" | "json_object": ...}``) - become one normalised dict on
+| "regex" | "choice" | "grammar" | "json_object": ..., "disable_any_whitespace": bool}``) - become one normalised dict on
 :attr:`backends.base.GenerationRequest.structured_outputs`: exactly one of those five keys,
 plus ``param``, the request field it came from (errors name it; an ``openai`` remote gets
 that field passed through unchanged). Two constraints in one request are a 400.
@@ -93,7 +93,12 @@ def structured_outputs_of(
         return {key: _checked(key, value, field), "param": field}
     if not isinstance(value, dict):
         raise InvalidRequestError("structured_outputs must be an object", param=field)
-    keys = [k for k in value if value[k] is not None and value[k] is not False]
+    compact = value.get("disable_any_whitespace", False)
+    if not isinstance(compact, bool):
+        raise InvalidRequestError(
+            "structured_outputs.disable_any_whitespace must be a boolean", param="structured_outputs.disable_any_whitespace"
+        )
+    keys = [k for k in value if k != "disable_any_whitespace" and value[k] is not None and value[k] is not False]
     unknown = sorted(set(keys) - set(_KEYS))
     if unknown:
         raise InvalidRequestError(
@@ -105,4 +110,12 @@ def structured_outputs_of(
             f"structured_outputs: give exactly one of {', '.join(_KEYS)}", param=field
         )
     key = keys[0]
-    return {key: _checked(key, value[key], f"structured_outputs.{key}"), "param": field}
+    normalised = {key: _checked(key, value[key], f"structured_outputs.{key}"), "param": field}
+    if compact:
+        if key not in ("json", "json_object"):
+            raise InvalidRequestError(
+                "structured_outputs.disable_any_whitespace applies to json and json_object only",
+                param="structured_outputs.disable_any_whitespace",
+            )
+        normalised["disable_any_whitespace"] = True
+    return normalised

@@ -147,3 +147,24 @@ def test_constrained_and_unconstrained_rows_share_a_batch_and_speculation_skips_
     assert re.fullmatch("(one |two |three )+", results["bound"]["text"]) or results["bound"]["final"].finish_reason == "length"
     assert set(results["bound"]["text"].split()) <= {"one", "two", "three"}
     assert results["free"]["token_ids"]
+
+
+def test_disable_any_whitespace_gives_compact_json(engine: LLMEngine) -> None:
+    """vLLM's ``disable_any_whitespace``: no whitespace outside strings, so a sampled output
+    cannot spend its tokens on newlines between items (which the default allows)."""
+    schema = {"type": "array", "items": {"enum": ["red", "blue"]}, "minItems": 2, "maxItems": 2}
+    prompts = {f"s{seed}": chat("Two colours.") for seed in range(4)}
+    params = {
+        key: SamplingParams(
+            max_tokens=40, temperature=1.0, seed=seed,
+            structured_outputs=StructuredOutput(json=schema, disable_any_whitespace=True),
+        )
+        for seed, key in enumerate(prompts)
+    }
+    results = run_all(engine, prompts, params)
+    for key, result in results.items():
+        text = str(result["text"])
+        assert result["final"].finish_reason == "stop", (key, text)
+        assert json.dumps(json.loads(text), separators=(",", ":")) == text, (key, text)
+    # The flag is part of the compiled grammar's identity (the cache keys differ).
+    assert StructuredOutput(json=schema).key() != StructuredOutput(json=schema, disable_any_whitespace=True).key()

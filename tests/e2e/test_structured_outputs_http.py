@@ -85,6 +85,14 @@ def test_vllm_guided_fields_constrain_chat_and_completions(gw: LiveGateway) -> N
     )
     if listed.choices[0].finish_reason != "length":
         assert set(__import__("json").loads(listed.choices[0].message.content or "[]")) <= {"red", "blue"}
+    # vLLM's disable_any_whitespace: compact JSON, through the HTTP API.
+    compact = client.chat.completions.create(
+        model="core", messages=[{"role": "user", "content": "Two colours."}], max_tokens=40, seed=5,
+        extra_body={"structured_outputs": {"json": {"type": "array", "items": {"enum": ["red", "blue"]},
+                                                     "minItems": 2, "maxItems": 2}, "disable_any_whitespace": True}},
+    ).choices[0]
+    text = compact.message.content or ""
+    assert compact.finish_reason == "stop" and text in ('["red","blue"]', '["blue","red"]', '["red","red"]', '["blue","blue"]')
 
 
 @pytest.mark.parametrize(
@@ -92,6 +100,10 @@ def test_vllm_guided_fields_constrain_chat_and_completions(gw: LiveGateway) -> N
     [
         ({"guided_regex": "(unclosed"}, "guided_regex"),
         ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+        ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+         "structured_outputs.disable_any_whitespace"),
+        ({"structured_outputs": {"json": {}, "disable_any_whitespace": "yes"}},
+         "structured_outputs.disable_any_whitespace"),
         ({"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}},
          "response_format"),
