@@ -52,6 +52,7 @@ from backends.errors import (
 from backends.model_loading import load_with_progress, resolve_model_path
 from backends.prefix_cache import CacheEvents, PrefixCacheIndex
 from backends.resume import resumed_output, resumed_prompt
+from backends.token_ids import as_prompt, detokenized, tokenized
 from core_engine.chat.formats import ChatFormat
 from core_engine.chat.template import ChatTemplate, ChatTemplateError
 
@@ -528,24 +529,17 @@ class CoreEngineBackend:
         if llm is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         tokenizer, vocab_size = llm.engine.tokenizer, llm.engine.model_config.vocab_size
-        ids = request.prompt if isinstance(request.prompt, tuple) else ()
         if request.kind == "detokenize":
-            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="tokens")
-            text = tokenizer.decode(list(ids), skip_special=False)
-            yield GenerationChunk(text=text, finish_reason="stop", usage=Usage(prompt_tokens=len(ids), completion_tokens=0))
+            yield detokenized(request, vocab_size, lambda ids: tokenizer.decode(ids, skip_special=False))
             return
-        as_prompt = msgspec.structs.replace(request, kind="chat" if request.messages is not None else "completion")
+        prompt_request = as_prompt(request)
         plan = None
-        if as_prompt.kind == "chat":
+        if prompt_request.kind == "chat":
             if self._template is None:
                 raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
-            plan = plan_chat(as_prompt, self._template, self._chat_format)
-        prompt_ids, _ = self._prompt(as_prompt, tokenizer, vocab_size, plan)
-        yield GenerationChunk(
-            token_ids=tuple(prompt_ids), finish_reason="stop", usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)
-        )
+            plan = plan_chat(prompt_request, self._template, self._chat_format)
+        prompt_ids, _ = self._prompt(prompt_request, tokenizer, vocab_size, plan)
+        yield tokenized(prompt_ids)
 
     async def _embed(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Every input in one chunk: tokenized here, pooled on the engine's thread between

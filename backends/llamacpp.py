@@ -58,6 +58,7 @@ from backends.errors import (
 )
 from backends.model_loading import load_with_progress, resolve_model_path
 from backends.resume import resumed_output, resumed_prompt
+from backends.token_ids import as_prompt, detokenized, tokenized
 from core_engine.chat.template import ChatTemplateError
 from core_engine.policy import EnginePolicies, SpeculationMethod
 
@@ -320,27 +321,18 @@ class LlamaCppBackend:
         if runner is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
         model = runner.model
-        ids = request.prompt if isinstance(request.prompt, tuple) else ()
         if request.kind == "detokenize":
-            bad = next((t for t in ids if not 0 <= t < model.n_vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(
-                    f"token id {bad} is outside the vocabulary (0..{model.n_vocab - 1})",
-                    param="tokens",
-                )
-            text = b"".join(model.token_text(t) for t in ids).decode("utf-8", errors="replace")
-            usage = Usage(prompt_tokens=len(ids), completion_tokens=0)
-            yield GenerationChunk(text=text, finish_reason="stop", usage=usage)
+            yield detokenized(
+                request, model.n_vocab,
+                lambda ids: b"".join(model.token_text(t) for t in ids).decode("utf-8", errors="replace"),
+            )
             return
-        as_prompt = msgspec.structs.replace(
-            request, kind="chat" if request.messages is not None else "completion"
-        )
+        prompt_request = as_prompt(request)
         chat_text = None
-        if as_prompt.kind == "chat":
-            chat_text = plan_chat(as_prompt, model.template, model.chat_format).text
-        tokens, _ = model.prompt_tokens(as_prompt, chat_text)
-        usage = Usage(prompt_tokens=len(tokens), completion_tokens=0)
-        yield GenerationChunk(token_ids=tuple(tokens), finish_reason="stop", usage=usage)
+        if prompt_request.kind == "chat":
+            chat_text = plan_chat(prompt_request, model.template, model.chat_format).text
+        tokens, _ = model.prompt_tokens(prompt_request, chat_text)
+        yield tokenized(tokens)
 
     async def _embed(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Every input's vector in one chunk (:mod:`backends._llamacpp_embedding`)."""

@@ -40,48 +40,40 @@ class StopChecker(Generic[T]):
         self.stop = tuple(s for s in stop if s)
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_len = max((len(s) for s in self.stop), default=0)
-        self._text = ""
-        self._num_released = 0
-        #: (start, end, payload) of each delta not yet released, offsets into the whole text.
+        #: The text not released yet (at most the longest stop string's length less one
+        #: between calls): released text is dropped, so a long output costs nothing here.
+        self._held = ""
+        #: (start, end, payload) of each delta not yet released, offsets into ``_held``.
         self._pending: list[tuple[int, int, T]] = []
         #: The stop string that matched, once one has.
         self.matched: str | None = None
-
-    @property
-    def is_active(self) -> bool:
-        """Whether there is any stop string to look for."""
-        return bool(self.stop)
-
-    @property
-    def text(self) -> str:
-        """All text released so far."""
-        return self._text[: self._num_released]
 
     def push(self, delta: str, payload: T | None = None) -> StopRelease[T]:
         """Add one delta (``payload``: what it came with; None for text without a token) and
         return what may go out now. After a match every call returns nothing, stopped."""
         if self.matched is not None:
             return StopRelease("", [], True)
-        start = len(self._text)
-        # A new match must end inside the new delta, so it starts at most max_len-1 chars back.
+        start = len(self._held)
+        # A new match must end inside the new delta, so it starts at most max_len-1 chars back
+        # (and within the held text: released text never ends with the start of a stop).
         search_from = max(0, start - self._max_len + 1)
-        self._text += delta
+        self._held += delta
         if payload is not None:
-            self._pending.append((start, len(self._text), payload))
+            self._pending.append((start, len(self._held), payload))
         if not self.stop:
-            return self._release(len(self._text))
+            return self._release(len(self._held))
         best: tuple[int, str] | None = None
         for s in self.stop:
-            idx = self._text.find(s, search_from)
+            idx = self._held.find(s, search_from)
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is not None:
             idx, s = best
             self.matched = s
-            released = self._release(max(idx + len(s) if self.include_stop_str_in_output else idx, self._num_released))
+            released = self._release(idx + len(s) if self.include_stop_str_in_output else idx)
             self._pending = []
             return StopRelease(released.text, released.payloads, True)
-        return self._release(len(self._text) - self._held_back())
+        return self._release(len(self._held) - self._held_back())
 
     def append(self, delta: str) -> str:
         """:meth:`push` for text alone: what may be shown now."""
@@ -91,27 +83,26 @@ class StopChecker(Generic[T]):
         """The request ended for another reason: everything still held back goes out."""
         if self.matched is not None:
             return StopRelease("", [], True)
-        return self._release(len(self._text))
+        return self._release(len(self._held))
 
     def _held_back(self) -> int:
         # Longest suffix of the unreleased text that is a proper prefix of a stop string.
-        text = self._text
-        for n in range(min(self._max_len - 1, len(text) - self._num_released), 0, -1):
+        text = self._held
+        for n in range(min(self._max_len - 1, len(text)), 0, -1):
             tail = text[-n:]
             if any(s.startswith(tail) for s in self.stop):
                 return n
         return 0
 
     def _release(self, end: int) -> StopRelease[T]:
-        out = self._text[self._num_released : end]
-        self._num_released = max(self._num_released, end)
+        out, self._held = self._held[:end], self._held[end:]
         payloads: list[T] = []
         kept: list[tuple[int, int, T]] = []
         for start, stop, payload in self._pending:
             # Released once any of its characters is out (or it has none left to wait for).
-            if start < self._num_released or stop <= self._num_released:
+            if start < end or stop <= end:
                 payloads.append(payload)
             else:
-                kept.append((start, stop, payload))
+                kept.append((start - end, stop - end, payload))
         self._pending = kept
         return StopRelease(out, payloads, False)

@@ -34,18 +34,17 @@ from backends.base import (
     GenerationRequest,
     HealthStatus,
     ModelInfo,
-    Usage,
 )
 from backends.chat_plan import ChatOptions, ChatPlan, plan_chat
 from backends.errors import (
     BackendUnavailableError,
     GenerationAbortedError,
     InfermuxError,
-    InvalidRequestError,
     UnsupportedParameterError,
 )
 from backends.model_loading import load_with_progress, resolve_model_path
 from backends.resume import resumed_output
+from backends.token_ids import as_prompt, detokenized, tokenized
 
 __all__ = ["MLXBackend", "MLXOptions"]
 
@@ -235,22 +234,14 @@ class MLXBackend:
         runner = self._runner
         if runner is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
-        ids = request.prompt if isinstance(request.prompt, tuple) else ()
         if request.kind == "detokenize":
-            bad = next((t for t in ids if not 0 <= t < runner.n_vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(
-                    f"token id {bad} is outside the vocabulary (0..{runner.n_vocab - 1})",
-                    param="tokens",
-                )
-            text = b"".join(runner.tokenizer.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
-            yield GenerationChunk(text=text, finish_reason="stop", usage=Usage(prompt_tokens=len(ids), completion_tokens=0))
+            tokenizer = runner.tokenizer
+            yield detokenized(
+                request, runner.n_vocab,
+                lambda ids: b"".join(tokenizer.token_bytes(t) for t in ids).decode("utf-8", errors="replace"),
+            )
             return
-        as_prompt = msgspec.structs.replace(request, kind="chat" if request.messages is not None else "completion")
-        tokens = runner.prompt_tokens(as_prompt)
-        yield GenerationChunk(
-            token_ids=tuple(tokens), finish_reason="stop", usage=Usage(prompt_tokens=len(tokens), completion_tokens=0)
-        )
+        yield tokenized(runner.prompt_tokens(as_prompt(request)))
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._check_supported(request)
@@ -267,7 +258,6 @@ class MLXBackend:
             jobs=self._jobs,
             library="MLX",
         )
-        parsed = plan.parse(stream) if plan is not None else stream
         resume = request.resume
         if resume is not None and self._runner is not None:
             # The runner prefills the prompt and the earlier output; the text is made again
@@ -278,6 +268,8 @@ class MLXBackend:
                 stream, resume, piece=core.tokenizer.token_bytes, stop=request.params.stop,
                 num_prompt_tokens=len(prompt),
             )
+        else:
+            parsed = plan.parse(stream) if plan is not None else stream
         async with contextlib.aclosing(parsed):  # type: ignore[type-var]  # closing us must cancel the job at once
             async for chunk in parsed:
                 yield chunk
