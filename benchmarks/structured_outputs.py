@@ -9,7 +9,9 @@ On the embedded SmolLM2-135M (default format):
   same masks alone, replaying the test schemas' constrained outputs token by token on one
   thread with nothing else running (the figure llguidance publishes), p50/p99 ms;
 * decode step time at batch 1 and 16, unconstrained vs every row constrained to a JSON schema
-  (the same prompts, greedy, 64 tokens), and the ratio (target: constrained <= 1.10x).
+  (the same prompts, greedy, 64 tokens), and the ratio (target: constrained <= 1.10x). The
+  two alternate for ``--rounds`` rounds and each side's figure is the median of its rounds'
+  step p50s: one round each swung the ratio by +-0.1 on an idle 2-core machine.
 
     .venv/bin/python benchmarks/structured_outputs.py
     .venv/bin/python benchmarks/structured_outputs.py --quick
@@ -99,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens = 24
+        args.rounds = 1
     from backends.default_model import default_model_path
     from core_engine.config import EngineConfig
     from core_engine.llm_engine import LLMEngine
@@ -120,11 +124,19 @@ def main(argv: list[str] | None = None) -> int:
                                            "p99_ms": _percentile(compile_ms, 99), "max_ms": max(compile_ms)}}
     engine.model_runner.token_masks.row_seconds.clear()
     for batch in (1, 16):
-        for constrained in (False, True):
-            print(f"batch {batch}, {'constrained' if constrained else 'free'} ...", flush=True)
-            results[f"batch_{batch}_{'constrained' if constrained else 'free'}"] = _steps(
-                engine, batch, args.tokens, constrained
-            )
+        rounds: dict[str, list[dict[str, float]]] = {"free": [], "constrained": []}
+        for r in range(args.rounds):
+            for constrained in (False, True):
+                kind = "constrained" if constrained else "free"
+                print(f"batch {batch}, {kind}, round {r + 1}/{args.rounds} ...", flush=True)
+                rounds[kind].append(_steps(engine, batch, args.tokens, constrained))
+        for kind, runs in rounds.items():
+            results[f"batch_{batch}_{kind}"] = {
+                "step_p50_ms": _percentile([run["step_p50_ms"] for run in runs], 50),
+                "step_p99_ms": max(run["step_p99_ms"] for run in runs),
+                "round_step_p50s_ms": [run["step_p50_ms"] for run in runs],
+                "tokens": sum(run["tokens"] for run in runs), "steps": sum(run["steps"] for run in runs),
+            }
     masks = [s * 1e3 for s in engine.model_runner.token_masks.row_seconds]
     results["mask_per_row"] = {"rows": len(masks), "p50_ms": _percentile(masks, 50), "p90_ms": _percentile(masks, 90),
                                "p99_ms": _percentile(masks, 99)}

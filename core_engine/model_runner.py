@@ -85,9 +85,9 @@ class ModelRunner:
         #: Called with each step's batch before its forward pass (a tensor-parallel engine's
         #: rank 0 sends it to the other ranks there).
         self.before_forward = before_forward
-        from core_engine.structured.masks import TokenMasks
+        from core_engine.structured.masks import TokenMasks, overlaps_forward
 
-        self.token_masks = TokenMasks(self.vocab_size)
+        self.token_masks = TokenMasks(self.vocab_size, overlap=overlaps_forward(self.device))
         #: Where a constrained row with nothing allowed goes (set by the engine: its EOS ids).
         self.eos_token_ids: tuple[int, ...] = ()
         # Pure-decode steps (the steady state) may run a torch.compile'd forward: inductor fuses
@@ -181,7 +181,8 @@ class ModelRunner:
                 sample_items.append(i)
 
         sample_reqs = [scheduled[i].request for i in sample_items]
-        # Constrained rows' masks are computed on llguidance's threads while the model runs.
+        # Constrained rows' masks: on llguidance's threads while the model runs, where that
+        # does not take the forward's cores (core_engine/structured/masks.py), else now.
         matchers = [r.active_matcher for r in sample_reqs]
         masks = self.token_masks.start(matchers) if any(m is not None for m in matchers) else None
         batch = ForwardBatch(
