@@ -206,7 +206,7 @@ def _continued_message(body: ChatCompletionRequest, messages: tuple[ChatMessage,
             "text content (the partial answer to continue)",
             param="messages",
         )
-    return ResumeState(text=last.content)
+    return ResumeState(text=last.content, num_given_chars=len(last.content))
 
 
 def completion_generation_requests(

@@ -173,12 +173,15 @@ class ResumingStream:
         # the whole text (ids of the output alone would drop the client's part).
         earlier = self._request.resume
         prefix = earlier.text if earlier is not None else ""
+        num_given = earlier.num_given_chars if earlier is not None else 0
         token_ids = tuple(self._token_ids) if self._has_all_ids and earlier is None else ()
 
         def adapt(name: str, capable: bool) -> GenerationRequest | None:
             if capable:
                 same = token_ids and self._router.model_id(name) == same_model_id
-                resume = ResumeState(token_ids=token_ids if same else (), text=prefix + self._text)
+                resume = ResumeState(
+                    token_ids=token_ids if same else (), text=prefix + self._text, num_given_chars=num_given
+                )
                 return msgspec.structs.replace(request, resume=resume)
             if request.kind == "completion" and isinstance(request.prompt, str) and earlier is None:
                 return msgspec.structs.replace(request, prompt=request.prompt + self._text)

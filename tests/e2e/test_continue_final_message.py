@@ -130,3 +130,21 @@ def test_a_backend_that_cannot_continue_refuses_naming_the_parameter(gw: LiveGat
 def test_continuing_with_a_constraint_on_the_output_is_refused(gw: LiveGateway) -> None:
     body = _refusal(gw.openai_client(), response_format={"type": "json_object"}, **CONTINUE)
     assert body["param"] == "continue_final_message"
+
+
+def test_a_stop_string_in_the_given_text_does_not_end_the_continuation(
+    gw: LiveGateway, unbroken: list[str]
+) -> None:
+    """As vLLM: stop strings are matched over the generated text only."""
+    given = "".join(unbroken[:6])
+    rest = "".join(unbroken[6:])
+    assert given not in rest
+    deltas, finish = _stream(
+        gw.openai_client(timeout=300.0),
+        [*CHAT, {"role": "assistant", "content": given}],
+        MAX_TOKENS - 6,
+        stop=[given],
+        extra_body=CONTINUE,
+    )
+    assert "".join(deltas) == rest
+    assert finish == "length"
