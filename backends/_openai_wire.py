@@ -250,6 +250,12 @@ def request_body(request: GenerationRequest, *, model: str) -> tuple[str, bytes]
         for item in body["messages"]:
             if item.get("tool_calls") and not item["content"]:
                 item["content"] = None  # OpenAI's shape of a turn that only called tools
+        if request.resume is not None:
+            # vLLM's extension: the partial answer as the last, open assistant message;
+            # the upstream streams only what comes after it.
+            body["messages"].append({"role": "assistant", "content": request.resume.text})
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
         if request.tools:
             body["tools"] = list(request.tools)
             body["tool_choice"] = (
@@ -270,6 +276,8 @@ def request_body(request: GenerationRequest, *, model: str) -> tuple[str, bytes]
     else:
         path = "/completions"
         prompt = request.prompt
+        if request.resume is not None and isinstance(prompt, str):
+            prompt += request.resume.text  # a text prompt goes on where the answer broke
         body["prompt"] = list(prompt) if isinstance(prompt, tuple) else (prompt or "")
         if params.echo:
             # Echo is answered here from the prompt text; prompt logprobs would need the

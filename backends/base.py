@@ -109,6 +109,10 @@ class ResumeState(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: tuple[int, ...] = ()
     #: The answer text the client has received.
     text: str = ""
+    #: How many leading characters of ``text`` the client wrote itself (vLLM's
+    #: ``continue_final_message``): stop strings are not matched over them, as vLLM matches
+    #: generated text only.
+    num_given_chars: int = 0
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):

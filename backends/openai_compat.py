@@ -112,6 +112,11 @@ class OpenAICompatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     #: httpx's CPU per streamed request); ``httpx``: httpx's client and default transport.
     #: ``https://`` always uses httpx.
     http_transport: Literal["native", "httpx"] = "native"
+    #: The upstream accepts vLLM's chat extension ``continue_final_message`` (vLLM, SGLang,
+    #: another infermux): the backend then honours ``GenerationRequest.resume``, so an answer
+    #: another backend began (mid-stream failover) or a client's partial assistant message
+    #: continues there. Off: a chat is never resumed here.
+    continue_final_message: bool = False
 
 
 def _tls_context(ca_bundle: str, param: str) -> ssl.SSLContext:
@@ -196,6 +201,7 @@ class OpenAICompatBackend:
             structured_outputs=True,
             tools=True,
             embeddings=True,
+            resume=self.options.continue_final_message,
             max_top_logprobs=20,
         )
         self._base_url = self.options.base_url.rstrip("/")

@@ -38,12 +38,14 @@ class _Continuation:
         self._piece = piece
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop: StopChecker[None] = StopChecker(stop)
+        #: Characters the client has (from the earlier backend) still to come out of the matcher.
+        self._skip = len(resume.text)
         if resume.token_ids:
             earlier = "".join(self._decoder.decode(piece(t)) for t in resume.token_ids)
         else:
-            earlier = resume.text
-        #: Characters the client has (from the earlier backend) still to come out of the matcher.
-        self._skip = len(resume.text)
+            # The client's own part of the text is not output: no stop string is matched in it.
+            earlier = resume.text[resume.num_given_chars :]
+            self._skip = len(earlier)
         self._take(self._stop.push(earlier).text)
 
     @property

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from backends.base import ChatMessage, GenerationRequest, SamplingParams, ToolCall
+from backends.base import ChatMessage, GenerationRequest, ResumeState, SamplingParams, ToolCall
 from backends.errors import InvalidRequestError, UnsupportedParameterError
 from gateway.config.types import LimitsConfig, ReasoningConfig
 from gateway.openai.response_format import checked_response_format
@@ -142,6 +142,21 @@ def chat_generation_requests(
     budget = body.max_reasoning_tokens
     if budget is None and body.reasoning_effort is not None:
         budget = context.reasoning.effort_budgets.get(body.reasoning_effort)
+    resume = _continued_message(body, messages)
+    if resume is not None:
+        constraint = (
+            "tools" if tools and tool_choice != "none"
+            else structured["param"] if structured is not None
+            else "a thinking budget" if budget is not None
+            else None
+        )
+        if constraint is not None:
+            raise UnsupportedParameterError(
+                f"continue_final_message cannot be combined with {constraint}: the output's "
+                "constraint or parser would start in the middle of the message",
+                param="continue_final_message",
+            )
+        messages = messages[:-1]
     template = GenerationRequest(
         request_id=request_id,
         model=body.model,
@@ -161,8 +176,37 @@ def chat_generation_requests(
         reasoning_budget=budget,
         traceparent=context.traceparent,
         labels=dict(context.labels),
+        resume=resume,
     )
     return _fan_out([template], n, request_id)
+
+
+def _continued_message(body: ChatCompletionRequest, messages: tuple[ChatMessage, ...]) -> ResumeState | None:
+    """vLLM's ``continue_final_message``: the last message, an assistant's partial answer,
+    continued as a resumed answer (``GenerationRequest.resume`` with its text, the chat
+    without it); None for a new turn. ``add_generation_prompt`` false is accepted only
+    with it: a chat rendered without the assistant's turn opened is not served."""
+    if not body.continue_final_message:
+        if body.add_generation_prompt is False:
+            raise UnsupportedParameterError(
+                "add_generation_prompt false is supported only with continue_final_message true",
+                param="add_generation_prompt",
+            )
+        return None
+    if body.add_generation_prompt is not False:
+        raise InvalidRequestError(
+            "continue_final_message and add_generation_prompt cannot both be true "
+            "(add_generation_prompt defaults to true: send it as false)",
+            param="continue_final_message",
+        )
+    last, wire = messages[-1], body.messages[-1]
+    if last.role != "assistant" or wire.content is None or last.tool_calls:
+        raise InvalidRequestError(
+            "continue_final_message needs the last message to be an assistant message with "
+            "text content (the partial answer to continue)",
+            param="messages",
+        )
+    return ResumeState(text=last.content, num_given_chars=len(last.content))
 
 
 def completion_generation_requests(

@@ -57,6 +57,10 @@ def unsupported_parameter(
         refused = (field, f"structured outputs ({field})")
     elif request.tools and request.tool_choice != "none" and not capabilities.tools:
         refused = ("tools", "tool calling")
+    elif request.resume is not None and not capabilities.resume:
+        # A request that arrives with ``resume`` asked for it (vLLM's extension); the
+        # router's own failover resumes skip such backends before this check.
+        refused = ("continue_final_message", "continuing the final message (continue_final_message)")
     if refused is None:
         return None
     param, what = refused

@@ -12,7 +12,13 @@ timeout) hands the answer to the next backend of the alias, which continues it:
 - on another model, from the text the client received (the partial answer as the start
   of the assistant turn);
 - a plain-text completion prompt may also continue on a backend without ``resume``
-  (a remote server): the received text is appended to the prompt.
+  (a remote server): the received text is appended to the prompt;
+- a request that itself continued the client's last assistant message
+  (``continue_final_message``: it arrived with a ``resume``), from that message's text
+  followed by the text streamed since (never from token ids: the client's part has none).
+
+An ``openai`` remote honours ``resume`` when its upstream speaks vLLM's
+``continue_final_message`` (the backend option of that name).
 
 The client's stream goes on with neither duplicate nor missing text (backends/resume.py),
 ``max_tokens`` of the continuation is what is left, the tries of the whole answer count
@@ -162,14 +168,22 @@ class ResumingStream:
             self._request, params=msgspec.structs.replace(params, max_tokens=remaining)
         )
         same_model_id = self._router.model_id(failed_name)
-        token_ids = tuple(self._token_ids) if self._has_all_ids else ()
+        # A request that continued a message the client sent (continue_final_message) has
+        # that text before the output and no ids for it: the next backend continues from
+        # the whole text (ids of the output alone would drop the client's part).
+        earlier = self._request.resume
+        prefix = earlier.text if earlier is not None else ""
+        num_given = earlier.num_given_chars if earlier is not None else 0
+        token_ids = tuple(self._token_ids) if self._has_all_ids and earlier is None else ()
 
         def adapt(name: str, capable: bool) -> GenerationRequest | None:
             if capable:
                 same = token_ids and self._router.model_id(name) == same_model_id
-                resume = ResumeState(token_ids=token_ids if same else (), text=self._text)
+                resume = ResumeState(
+                    token_ids=token_ids if same else (), text=prefix + self._text, num_given_chars=num_given
+                )
                 return msgspec.structs.replace(request, resume=resume)
-            if request.kind == "completion" and isinstance(request.prompt, str):
+            if request.kind == "completion" and isinstance(request.prompt, str) and earlier is None:
                 return msgspec.structs.replace(request, prompt=request.prompt + self._text)
             return None
 

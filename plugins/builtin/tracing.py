@@ -230,7 +230,7 @@ class TracingPlugin:
         }
         if kind is not None:
             attributes["infermux.backend.kind"] = kind
-        if request.resume is not None:  # continues the answer a failed attempt began
+        if request.resume is not None:  # continues an answer begun by a failed attempt or the client
             attributes["infermux.resume.num_output_chars"] = len(request.resume.text)
             attributes["infermux.resume.num_output_tokens"] = len(request.resume.token_ids)
         if info is not None and info.address is not None:

@@ -19,6 +19,7 @@ from backends.base import (
     ChatMessage,
     GenerationChunk,
     GenerationRequest,
+    ResumeState,
     SamplingParams,
 )
 from backends.errors import (
@@ -306,9 +307,51 @@ async def test_closing_the_iterator_closes_the_upstream_stream(
     await backend.aclose()
 
 
+async def test_a_resumed_chat_goes_upstream_as_an_open_assistant_message(upstream_servers: StartUpstream) -> None:
+    """With ``continue_final_message`` the partial answer is sent as vLLM's extension wants
+    it, and the upstream's events (only the new text) pass through as they are."""
+    upstream = upstream_servers(Behaviour(reply="au lait"))
+    backend = _backend(upstream.base_url, options={"continue_final_message": True})
+    assert backend.capabilities.resume
+    request = msgspec_replace(_chat("Say it", max_tokens=5), resume=ResumeState(token_ids=(7, 8), text="Café"))
+    chunks = await _collect(backend, request)
+    assert "".join(c.text for c in chunks) == "au lait"
+    body = upstream.requests[-1].json
+    assert body["messages"] == [
+        {"role": "user", "content": "Say it"},
+        {"role": "assistant", "content": "Café"},
+    ]
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert body["max_tokens"] == 5
+
+
+async def test_a_resumed_text_completion_goes_on_from_the_prompt_and_the_text(upstream_servers: StartUpstream) -> None:
+    upstream = upstream_servers(Behaviour(reply="lait"))
+    backend = _backend(upstream.base_url, options={"continue_final_message": True})
+    request = GenerationRequest(
+        request_id="r", model="alias", kind="completion", prompt="Un café", resume=ResumeState(text=" au")
+    )
+    await _collect(backend, request)
+    body = upstream.requests[-1].json
+    assert body["prompt"] == "Un café au"
+    assert "continue_final_message" not in body
+
+
+async def test_without_the_option_a_remote_does_not_resume_and_sends_no_extension(
+    upstream_servers: StartUpstream,
+) -> None:
+    upstream = upstream_servers()
+    backend = _backend(upstream.base_url)
+    assert not backend.capabilities.resume
+    await _collect(backend, _chat())
+    assert "continue_final_message" not in upstream.requests[-1].json
+    assert "add_generation_prompt" not in upstream.requests[-1].json
+
+
 @pytest.mark.parametrize(
     ("options", "key"),
     [
+        ({"base_url": "http://h/v1", "continue_final_message": "sometimes"}, "continue_final_message"),
         ({"base_url": "ftp://host/v1"}, "base_url"),
         ({"base_url": "http://h/v1", "headers": {"Authorization": "Bearer x"}}, "headers"),
         ({"base_url": "http://h/v1", "api_key": "sk-x"}, "api_key"),

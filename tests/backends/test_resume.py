@@ -66,3 +66,16 @@ def test_without_token_ids_the_text_is_the_start_of_the_continuation() -> None:
     assert "".join(c.text for c in chunks) == ""
     assert resumed_prompt([100, 101], ResumeState(text="café"), lambda text: [len(text)]) == [100, 101, 4]
     assert resumed_prompt([100], ResumeState(token_ids=(1, 2), text="caf"), lambda text: []) == [100, 1, 2]
+
+
+def test_stop_strings_are_not_matched_in_the_text_the_client_wrote() -> None:
+    # continue_final_message: "café au" is the client's; only the output is matched, as vLLM does.
+    given = ResumeState(text="café au", num_given_chars=7)
+    chunks = _run(given, [5, 6], stop=("au lait", " !"))
+    assert "".join(c.text for c in chunks) == " lait"
+    assert chunks[-1].finish_reason == "stop"
+    # After a failover the text streamed since is matched (here " lait" was streamed).
+    resumed = ResumeState(text="café au lait", num_given_chars=7)
+    chunks = _run(resumed, [6], stop=("lait !",))
+    assert "".join(c.text for c in chunks) == ""
+    assert chunks[-1].finish_reason == "stop"

@@ -151,6 +151,11 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False)
     #: and the explicit budget (vLLM, SGLang and llama-server have one under various names).
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     max_reasoning_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
+    #: vLLM's extensions: continue the last message (an assistant's partial answer) instead
+    #: of opening a new turn; only the continuation comes back. ``continue_final_message``
+    #: needs ``add_generation_prompt`` false (its default, None, is true), as in vLLM.
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
 
 class ChatTopLogprob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
