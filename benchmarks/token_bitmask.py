@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import sys
 import time
@@ -76,11 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         for kind, bitmask in masks.items():
             reference = masked_fill(logits, bitmask)
             row: dict[str, float] = {}
-            for name, fn in (("table (infermux)", lambda: apply_token_bitmask(logits, bitmask, ())),
-                             ("llguidance.torch", lambda: llguidance_inplace(logits, bitmask)),
-                             ("masked_fill", lambda: masked_fill(logits, bitmask))):
-                assert torch.equal(fn(), reference), name
-                row[name] = _least(fn, args.repeats)
+            ways: tuple[tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], ...] = (
+                ("table (infermux)", lambda lg, bm: apply_token_bitmask(lg, bm, ())),
+                ("llguidance.torch", llguidance_inplace),
+                ("masked_fill", masked_fill),
+            )
+            for name, way in ways:
+                assert torch.equal(way(logits, bitmask), reference), name
+                row[name] = _least(functools.partial(way, logits, bitmask), args.repeats)
             results[f"batch {batch}, {kind}"] = row
             print(f"batch {batch:>2}, {kind:<8}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in row.items()), flush=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
