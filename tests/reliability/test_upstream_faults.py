@@ -336,7 +336,7 @@ def test_a_stalled_stream_ends_with_stream_idle_timeout_and_cancels_upstream(
         error = json.loads(frames[-1])["error"]
         assert error["code"] == "stream_idle_timeout"
         assert _content(frames[:-1]) == "one two"
-        a.wait_until(lambda: a.num_disconnects == 1)
+        a.wait_until(lambda: a.num_disconnects == 1, timeout_s=30.0)  # over TLS: a close_notify exchange
         request_id = response.headers["x-request-id"]
         wait_until(lambda: len(recorder.records_of(request_id)) == 1)
         (record,) = recorder.records_of(request_id)
