@@ -1,9 +1,9 @@
 """vLLM's ``continue_final_message`` on ``POST /v1/chat/completions``, live.
 
 The default model on the core engine (greedy, float32 dense weights: a prefill computes the
-logits a token-by-token decode does), asked through the official ``openai`` client with a
-partial assistant answer as the last message: the reply is the rest of the answer the
-model gives unbroken, and only the rest.
+logits a token-by-token decode does), on llama.cpp and on MLX, asked through the official
+``openai`` client with a partial assistant answer as the last message: the reply is the rest
+of the answer the model gives unbroken, and only the rest.
 """
 
 from __future__ import annotations
@@ -29,20 +29,24 @@ CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 def gw(live_gateway: Any) -> Iterator[LiveGateway]:
     config = gateway_config(
         BackendConfig(name="core", kind="core_engine", options=CORE, worker_process=False),
+        BackendConfig(name="llama", kind="llamacpp", options={"n_ctx": 512, "n_threads": 1}, worker_process=False),
+        BackendConfig(name="mlx", kind="mlx", options={"n_ctx": 512}, worker_process=False),
         # A remote whose upstream is not said to speak vLLM's extension (never reached here).
         BackendConfig(name="plain", kind="openai", options={"base_url": "http://127.0.0.1:9/v1"}),
-        models={"core": ["core"], "plain": ["plain"]},
+        models={"core": ["core"], "llama": ["llama"], "mlx": ["mlx"], "plain": ["plain"]},
     )
     with live_gateway(config) as gateway:
         yield gateway
 
 
-def _stream(client: Any, messages: list[dict[str, str]], max_tokens: int, **extra: Any) -> tuple[list[str], str | None]:
+def _stream(
+    client: Any, messages: list[dict[str, str]], max_tokens: int, model: str = "core", **extra: Any
+) -> tuple[list[str], str | None]:
     """The content deltas and the finish reason of a streamed greedy answer."""
     deltas: list[str] = []
     finish = None
     for event in client.chat.completions.create(
-        model="core", messages=messages, temperature=0, max_tokens=max_tokens, stream=True, **extra
+        model=model, messages=messages, temperature=0, max_tokens=max_tokens, stream=True, **extra
     ):
         if event.choices:
             if event.choices[0].delta.content:
@@ -56,6 +60,29 @@ def unbroken(gw: LiveGateway) -> list[str]:
     deltas, finish = _stream(gw.openai_client(timeout=300.0), CHAT, MAX_TOKENS)
     assert finish == "length" and len(deltas) > 8
     return deltas
+
+
+@pytest.mark.parametrize("model", ["llama", "mlx"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_llamacpp_and_mlx_continue_a_partial_answer_to_their_unbroken_answer(
+    gw: LiveGateway, model: str, stream: bool
+) -> None:
+    client = gw.openai_client(timeout=300.0)
+    whole, finish = _stream(client, CHAT, MAX_TOKENS, model=model)
+    assert finish == "length" and len(whole) > 8
+    given = "".join(whole[:5])
+    messages = [*CHAT, {"role": "assistant", "content": given}]
+    rest = MAX_TOKENS - 5
+    if stream:
+        deltas, finish = _stream(client, messages, rest, model=model, extra_body=CONTINUE)
+        text = "".join(deltas)
+    else:
+        reply = client.chat.completions.create(
+            model=model, messages=messages, temperature=0, max_tokens=rest, extra_body=CONTINUE
+        )
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert text == "".join(whole[5:])
+    assert finish == "length"
 
 
 @pytest.mark.parametrize("num_given", [3, 8])
