@@ -102,8 +102,9 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, fallback_ids: Sequence[
 
     The logits get an additive bias, 0 where allowed and -inf where not, gathered byte by
     byte of the mask from a table of the 256 bytes' 8 biases. Unlike ``masked_fill``, whose
-    time depends on the mask's pattern, this is one gather and one add: 0.13 instead of
-    1.27 ms for 16 rows of a 49k vocabulary (docs/benchmarks.md, "Structured outputs")."""
+    time depends on the mask's pattern, this is one gather and one add: 0.145 instead of
+    1.45 ms for 16 rows of a 49k vocabulary with random bits (benchmarks/token_bitmask.py;
+    docs/structured-outputs.md, "What it costs")."""
     num_rows, vocab = logits.shape
     empty = ~bitmask.any(dim=1)
     if fallback_ids and bool(empty.any()):
