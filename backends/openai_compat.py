@@ -32,7 +32,7 @@ import os
 import ssl
 import time
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import msgspec
@@ -271,7 +271,7 @@ class OpenAICompatBackend:
                     async for _ in response.aiter_bytes():
                         pass
                 finally:
-                    await response.aclose()
+                    await _close_to_the_end(response)
         except TimeoutError:
             return HealthStatus(ok=False, detail=f"no answer within {_HEALTH_TIMEOUT_S:g} s")
         except httpx.HTTPError as exc:
@@ -334,7 +334,7 @@ class OpenAICompatBackend:
             except httpx.HTTPError as exc:
                 raise self._broken_error(False, f"{type(exc).__name__}: {exc}") from exc
         finally:
-            await response.aclose()
+            await _close_to_the_end(response)
         try:
             answer = msgspec.json.decode(b"".join(parts), type=UpstreamEmbeddings)
         except msgspec.DecodeError as exc:
@@ -416,7 +416,7 @@ class OpenAICompatBackend:
                 yield GenerationChunk(prompt_text=events.pending_prompt)
             yield GenerationChunk(finish_reason=events.finish_reason, usage=events.usage)
         finally:
-            await response.aclose()
+            await _close_to_the_end(response)
 
     def _take(self, events: _Events, payloads: list[bytes], merge: bool) -> list[GenerationChunk]:
         """The output chunks of ``payloads``. A broken event sets ``events.error`` (raised
@@ -506,7 +506,7 @@ class OpenAICompatBackend:
         http_request = self._client.build_request(
             method, self._base_url + path, content=body, headers=headers
         )
-        return await self._client.send(http_request, stream=True)
+        return await _send_to_the_end(self._client, http_request)
 
     async def _send(
         self, path: str, body: bytes, headers: dict[str, str], deadline: float | None
@@ -597,3 +597,58 @@ async def _drain(stream: AsyncIterator[bytes]) -> None:
 def create_backend(config: BackendConfig) -> OpenAICompatBackend:
     """Factory registered for kind ``"openai"``."""
     return OpenAICompatBackend(config)
+
+
+# -- closing httpx's connections whatever the cancellations -----------------------------------
+#
+# httpx (httpcore) closes a connection whose response is unread behind an anyio lock, whose
+# acquisition yields to the loop, and anyio's shield does not stop a plain ``task.cancel()``:
+# a second cancellation while the first unwinds stops the close half-way, the connection is
+# never closed and the upstream's generation runs on. The gateway's deadlines never pile a
+# second cancellation on (backends/deadline.py); in addition, each send and each close the
+# backend makes itself runs in a task of its own, which gets at most the one cancellation
+# passed on here and finishes its clean-up whatever the request's task gets meanwhile. (The
+# close httpcore makes inside a cancelled read runs in the request's task and has only the
+# first guard.) The native HTTP/1.1 client closes synchronously and needs none of this.
+
+#: Closes and sends still finishing after their request's task was cancelled.
+_finishing: set[asyncio.Future[Any]] = set()
+
+
+def _keep_until_done(task: asyncio.Future[Any]) -> None:
+    if not task.done():
+        _finishing.add(task)
+        task.add_done_callback(_finishing.discard)
+
+
+async def _close_to_the_end(response: UpstreamResponse) -> None:
+    """``response.aclose()``, run to its end even when this task is cancelled meanwhile."""
+    if not isinstance(response, httpx.Response):  # the native client's: closes at once
+        await response.aclose()
+        return
+    close = asyncio.ensure_future(response.aclose())
+    try:
+        await asyncio.shield(close)
+    except asyncio.CancelledError:
+        _keep_until_done(close)
+        raise
+
+
+async def _send_to_the_end(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """``client.send(request, stream=True)``; when this task is cancelled, the send is
+    cancelled once and its clean-up (closing the half-used connection) runs to its end, and a
+    response that arrived meanwhile is closed."""
+    send = asyncio.ensure_future(client.send(request, stream=True))
+    try:
+        return await asyncio.shield(send)
+    except asyncio.CancelledError:
+        send.cancel()
+        send.add_done_callback(_close_if_answered)
+        _keep_until_done(send)
+        raise
+
+
+def _close_if_answered(send: asyncio.Future[httpx.Response]) -> None:
+    if send.cancelled() or send.exception() is not None:
+        return
+    _keep_until_done(asyncio.ensure_future(send.result().aclose()))

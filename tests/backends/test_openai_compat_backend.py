@@ -6,12 +6,14 @@ limit, fail, or die mid-stream; each test checks what a gateway user would see.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from upstream_server import Behaviour, UpstreamServer, closed_port_url
+from upstream_server import Behaviour, TLSFiles, UpstreamServer, closed_port_url
 
 from backends._sse import SSEParser
 from backends.base import (
@@ -22,6 +24,7 @@ from backends.base import (
     ResumeState,
     SamplingParams,
 )
+from backends.deadline import Deadline
 from backends.errors import (
     BackendError,
     BackendUnavailableError,
@@ -305,6 +308,74 @@ async def test_closing_the_iterator_closes_the_upstream_stream(
     await stream.aclose()  # type: ignore[attr-defined]
     await upstream.until(lambda: upstream.num_disconnects == 1)
     await backend.aclose()
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_a_deadline_expiring_while_another_unwinds_still_closes_the_upstream(
+    test_ca: TLSFiles, scheme: str
+) -> None:
+    # The router bounds the first chunk and the backend bounds it again, a fraction of a
+    # millisecond later. When the second deadline fired while the first one's cancellation
+    # was unwinding through httpx's close, the close stopped half-way: the upstream kept its
+    # connection and went on generating (a CI run saw it, 2026-12-05). Sweep the gap.
+    upstream = UpstreamServer(
+        Behaviour(mode="stall_before_first_chunk"), tls=test_ca if scheme == "https" else None
+    ).start()
+    options: dict[str, Any] = {"http_transport": "httpx"}
+    if scheme == "https":
+        options["ca_bundle"] = str(test_ca.ca_bundle)
+    backend = _backend(upstream.base_url, options=options, first_byte_timeout=0.05)
+    kept_open: list[float] = []
+    try:
+        for step in range(60):
+            gap_s = step * 25e-6
+            closed_before = upstream.num_disconnects
+            with pytest.raises((TimeoutError, UpstreamTimeoutError)):
+                with Deadline(time.monotonic() + 0.05 - gap_s):
+                    async for _ in backend.generate(_chat()):
+                        pass
+            try:
+                await upstream.until(
+                    lambda closed=closed_before: upstream.num_disconnects > closed, 2.0
+                )
+            except AssertionError:
+                kept_open.append(gap_s)
+                upstream.num_disconnects += 1  # go on sweeping
+        assert kept_open == []
+    finally:
+        await backend.aclose()
+        upstream.stop()
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_a_second_cancellation_while_waiting_for_headers_still_closes_the_upstream(
+    test_ca: TLSFiles, scheme: str
+) -> None:
+    # A client that leaves while its request is being dropped for a timeout: two
+    # cancellations in a row. The send's clean-up runs to its end in a task of its own.
+    upstream = UpstreamServer(
+        Behaviour(mode="stall_before_headers"), tls=test_ca if scheme == "https" else None
+    ).start()
+    options: dict[str, Any] = {"http_transport": "httpx"}
+    if scheme == "https":
+        options["ca_bundle"] = str(test_ca.ca_bundle)
+    backend = _backend(upstream.base_url, options=options)
+
+    async def consume() -> None:
+        async for _ in backend.generate(_chat()):
+            pass
+
+    try:
+        task = asyncio.ensure_future(consume())
+        await upstream.until(lambda: upstream.num_requests == 1)
+        task.cancel()
+        asyncio.get_running_loop().call_soon(task.cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await upstream.until(lambda: upstream.num_disconnects == 1, 5.0)
+    finally:
+        await backend.aclose()
+        upstream.stop()
 
 
 async def test_a_resumed_chat_goes_upstream_as_an_open_assistant_message(upstream_servers: StartUpstream) -> None:

@@ -53,6 +53,76 @@ async def test_a_cancellation_from_outside_stays_a_cancellation() -> None:
         await task
 
 
+async def test_a_deadline_waits_for_another_cancellation_to_unwind() -> None:
+    # The outer deadline passes while the inner one's cancellation runs a clean-up of a few
+    # loop turns (as httpx's close does): the clean-up ends undisturbed, then the outer
+    # deadline ends its block. A second cancellation would have cut the clean-up short.
+    cleaned_up = False
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        with Deadline(start + 0.06):
+            with pytest.raises(TimeoutError):
+                with Deadline(start + 0.05):
+                    try:
+                        await asyncio.sleep(5)
+                    finally:
+                        for _ in range(30):  # 30 ms of clean-up, past the outer deadline
+                            await asyncio.sleep(0.001)
+                        cleaned_up = True
+            await asyncio.sleep(5)
+    assert cleaned_up
+    assert time.monotonic() - start < 1.0
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_a_swallowed_cancellation_does_not_disarm_a_later_deadline() -> None:
+    # Code that catches a cancellation without uncancel() leaves the task "cancelling" for
+    # good: a deadline entered afterwards still ends its block.
+    async def swallow_then_wait() -> str:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            pass  # swallowed, not uncancelled
+        try:
+            with Deadline(time.monotonic() + 0.02):
+                await asyncio.sleep(5)
+        except TimeoutError:
+            return "deadline"
+        return "slept"
+
+    task = asyncio.ensure_future(swallow_then_wait())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    started = time.monotonic()
+    assert await asyncio.wait_for(task, 2.0) == "deadline"
+    assert time.monotonic() - started < 1.0
+
+
+async def test_a_cancellation_swallowed_inside_the_block_delays_the_deadline_briefly() -> None:
+    # Swallowed after the block began, the other cancellation looks as if it were still
+    # unwinding: the deadline waits at most 0.1 s, then cancels anyway.
+    ended_at: list[float] = []
+
+    async def swallow_inside() -> None:
+        with Deadline(time.monotonic() + 0.05):
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                pass  # swallowed, not uncancelled
+            try:
+                await asyncio.sleep(5)
+            finally:
+                ended_at.append(time.monotonic())
+
+    started = time.monotonic()
+    task = asyncio.ensure_future(swallow_inside())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2.0)
+    assert 0.05 <= ended_at[0] - started < 1.0
+
+
 def test_earliest_ignores_unset_deadlines() -> None:
     assert earliest(None, 3.0, 2.0) == 2.0
     assert earliest(None, None) is None
