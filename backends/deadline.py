@@ -22,7 +22,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-__all__ = ["Deadline", "earliest", "until_uncancelled"]
+__all__ = ["DEFERRAL_S", "MAX_DEFERRALS", "Deadline", "earliest", "until_uncancelled"]
 
 
 def earliest(*deadlines: float | None) -> float | None:
@@ -75,14 +75,14 @@ class Deadline:
     def _expire(self) -> None:
         task = self._task
         assert task is not None
-        if task.cancelling() > self._cancelling and self._deferred < _MAX_DEFERRALS:
+        if task.cancelling() > self._cancelling and self._deferred < MAX_DEFERRALS:
             # Another cancellation (an inner deadline's, a client's disconnect) is unwinding
             # the task now, maybe through a library's clean-up: a second one would cut that
             # clean-up short (httpcore then never closes the upstream connection). Look again
             # shortly; if the block is left meanwhile, nothing is owed. Bounded, for code that
             # swallows a cancellation without ``uncancel()``.
             self._deferred += 1
-            self._handle = asyncio.get_running_loop().call_later(_DEFERRAL_S, self._expire)
+            self._handle = asyncio.get_running_loop().call_later(DEFERRAL_S, self._expire)
             return
         self._handle = None
         self._expired = True
@@ -90,15 +90,16 @@ class Deadline:
 
 
 #: While another cancellation unwinds the task, an expired deadline looks again this often,
-#: at most this many times (0.1 s in all), then cancels anyway.
-_DEFERRAL_S = 0.001
-_MAX_DEFERRALS = 100
+#: at most this many times (0.1 s in all), then cancels anyway. The router's stream timer
+#: (``gateway.serving.router.RoutedStream``) defers by the same rule.
+DEFERRAL_S = 0.001
+MAX_DEFERRALS = 100
 
 
 async def until_uncancelled(task: asyncio.Task[Any]) -> None:
     """Wait while another cancellation is unwinding ``task`` (at most 0.1 s), so that a
     cancellation sent next does not cut its clean-up short (see :meth:`Deadline._expire`)."""
-    for _ in range(_MAX_DEFERRALS):
+    for _ in range(MAX_DEFERRALS):
         if not task.cancelling():
             return
-        await asyncio.sleep(_DEFERRAL_S)
+        await asyncio.sleep(DEFERRAL_S)

@@ -605,7 +605,8 @@ def create_backend(config: BackendConfig) -> OpenAICompatBackend:
 # acquisition yields to the loop, and anyio's shield does not stop a plain ``task.cancel()``:
 # a second cancellation while the first unwinds stops the close half-way, the connection is
 # never closed and the upstream's generation runs on. The gateway's deadlines never pile a
-# second cancellation on (backends/deadline.py); in addition, each send and each close the
+# second cancellation on (backends/deadline.py; the router's stream timer, which bounds the
+# same total timeout as this backend's own deadline, by the same rule); in addition, each send and each close the
 # backend makes itself runs in a task of its own, which gets at most the one cancellation
 # passed on here and finishes its clean-up whatever the request's task gets meanwhile. (The
 # close httpcore makes inside a cancelled read runs in the request's task and has only the

@@ -36,6 +36,7 @@ from backends.errors import (
     UpstreamTimeoutError,
 )
 from backends.openai_compat import OpenAICompatBackend, _Events, create_backend
+from gateway.serving.router import RoutedStream
 
 StartUpstream = Callable[..., UpstreamServer]
 
@@ -339,9 +340,63 @@ async def test_a_deadline_expiring_while_another_unwinds_still_closes_the_upstre
                     lambda closed=closed_before: upstream.num_disconnects > closed, 2.0
                 )
             except AssertionError:
-                kept_open.append(gap_s)
-                upstream.num_disconnects += 1  # go on sweeping
-        assert kept_open == []
+                kept_open = gap_s
+                break
+        assert kept_open is None, (
+            f"the upstream streamed on with the router's timer {kept_open * 1e6:+.0f} us "
+            "after the backend's deadline"
+        )
+    finally:
+        await backend.aclose()
+        upstream.stop()
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_the_router_total_deadline_next_to_the_backend_one_still_closes_the_upstream(
+    test_ca: TLSFiles, scheme: str
+) -> None:
+    # Mid-stream, the router's stream timer (RoutedStream) and the backend's own deadline
+    # bound the same total timeout and fire microseconds apart, in either order. When the
+    # router's cancelled the task while the backend's cancellation was unwinding through
+    # httpx's close over TLS, the upstream kept its connection and streamed on (a CI run
+    # saw it, 2026-12-06). Sweep the gap both ways.
+    upstream = UpstreamServer(
+        Behaviour(reply=" ".join(f"t{i}" for i in range(400)), chunk_delay_s=0.005),
+        tls=test_ca if scheme == "https" else None,
+    ).start()
+    options: dict[str, Any] = {"http_transport": "httpx"}
+    if scheme == "https":
+        options["ca_bundle"] = str(test_ca.ca_bundle)
+    backend = _backend(upstream.base_url, options=options)
+    kept_open: float | None = None
+    try:
+        for step in range(-20, 40):
+            gap_s = step * 25e-6
+            closed_before = upstream.num_disconnects
+            deadline = time.monotonic() + 0.08
+            stream = backend.generate(msgspec_replace(_chat(), deadline=deadline))
+            routed = RoutedStream(
+                backend_name="remote",
+                attempts=[],
+                first=await anext(stream),
+                stream=stream,
+                on_done=lambda *_: None,
+                deadline=deadline + gap_s,
+            )
+            with pytest.raises(UpstreamTimeoutError):
+                async for _ in routed:
+                    pass
+            try:
+                await upstream.until(
+                    lambda closed=closed_before: upstream.num_disconnects > closed, 2.0
+                )
+            except AssertionError:
+                kept_open = gap_s
+                break
+        assert kept_open is None, (
+            f"the upstream streamed on with the router's timer {kept_open * 1e6:+.0f} us "
+            "after the backend's deadline"
+        )
     finally:
         await backend.aclose()
         upstream.stop()
