@@ -27,6 +27,7 @@ def make_config(
     *backends: BackendConfig,
     models: dict[str, list[str]] | None = None,
     max_retries: int = 2,
+    resume_on_failure: bool = False,
     **sections: Any,
 ) -> InfermuxConfig:
     """A validated config: backends, models (default: alias "echo" on all), extra sections
@@ -36,7 +37,12 @@ def make_config(
     raw: dict[str, Any] = {
         "backends": [msgspec.to_builtins(b) for b in backends],
         "models": [
-            {"alias": alias, "backends": names, "max_retries": max_retries}
+            {
+                "alias": alias,
+                "backends": names,
+                "max_retries": max_retries,
+                "resume_on_failure": resume_on_failure,
+            }
             for alias, names in models.items()
         ],
         **sections,

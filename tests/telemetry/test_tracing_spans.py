@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
 from upstream_server import Behaviour, closed_port_url
 
+from backends.base import BackendConfig
 from plugins.builtin.otel_env import tracing_wanted
 from tests.telemetry.telemetry_util import Telemetry, make_config, mock, remote
 
@@ -215,6 +216,74 @@ def test_a_stream_that_breaks_midway_is_an_error_trace_with_partial_usage(
     assert attrs(root)["gen_ai.usage.output_tokens"] == 2
     # The attempt itself succeeded (it produced the first chunk): the stream broke later.
     assert spans["attempt flaky"].status.status_code != StatusCode.ERROR
+
+
+def test_a_stream_resumed_on_another_backend_shows_both_attempts(
+    telemetry: Telemetry, telemetry_gateway: Any, upstream_servers: Any
+) -> None:
+    # resume_on_failure: the first backend breaks after two tokens, the remote continues the
+    # same answer (continue_final_message); the trace shows both tries, each under its own
+    # routing span, and what the second one was given.
+    upstream = upstream_servers(Behaviour(reply="and the rest"), name="up")
+    config = make_config(
+        mock("flaky", fail_after_tokens=2, fail_after_error="upstream_status"),  # a 5xx mid-stream
+        BackendConfig(
+            name="up",
+            kind="openai",
+            options={"base_url": upstream.base_url, "continue_final_message": True},
+        ),
+        resume_on_failure=True,
+    )
+    with telemetry_gateway(config) as gw:
+        with httpx.stream(
+            "POST",
+            f"{gw}/v1/chat/completions",
+            json={
+                "model": "echo",
+                "messages": [{"role": "user", "content": "a b c d e"}],
+                "stream": True,
+            },
+        ) as answer:
+            events = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+            request_id = answer.headers["x-request-id"]
+    assert events[-1] == "[DONE]"
+    text = "".join(
+        choice["delta"].get("content") or ""
+        for event in events[:-1]
+        for choice in json.loads(event)["choices"]
+    )
+    assert text.endswith("and the rest")
+    given = text[: -len("and the rest")]
+    assert given == "a b"  # the flaky backend echoed two words before it broke
+    trace = telemetry.trace_of(request_id)
+    assert sorted(span.name for span in trace) == [
+        "attempt flaky",
+        "attempt up",
+        "chat echo",
+        "route echo",
+        "route echo",
+    ]
+    spans = by_name(trace)
+    root, first, resumed = spans["chat echo"], spans["attempt flaky"], spans["attempt up"]
+    # One routing decision per try, both under the request's span.
+    routes = {
+        attrs(span)["infermux.backend.name"]: span for span in trace if span.name == "route echo"
+    }
+    assert set(routes) == {"flaky", "up"}
+    assert parent_of(routes["flaky"]) == parent_of(routes["up"]) == span_id(root)
+    assert parent_of(first) == span_id(routes["flaky"])
+    assert parent_of(resumed) == span_id(routes["up"])
+    assert attrs(first)["infermux.attempt"] == 0
+    assert "infermux.resume.num_output_chars" not in attrs(first)
+    assert attrs(resumed)["infermux.attempt"] == 1
+    assert attrs(resumed)["infermux.resume.num_output_chars"] == len(given)
+    assert root.status.status_code != StatusCode.ERROR
+    assert attrs(root)["infermux.backend.name"] == "flaky,up"
+    assert attrs(root)["gen_ai.usage.output_tokens"] == 5  # two words, then three
+    # What the remote was asked: the partial answer as an open assistant message.
+    sent = upstream.requests[-1].json
+    assert sent["continue_final_message"] is True
+    assert sent["messages"][-1] == {"role": "assistant", "content": given}
 
 
 def test_message_content_is_recorded_only_when_the_operator_opts_in(
