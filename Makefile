@@ -34,8 +34,7 @@ test: $(STAMP)
 	scripts/install_test_services.sh
 	$(VENV)/bin/ruff check gateway backends plugins core_engine tests
 	$(VENV)/bin/mypy
-	# Two pytest-xdist workers, each taking whole files (module fixtures load a model once):
-	# 1199 s instead of 1747 s serially on the 2-core EPYC (README.md, Tests).
+	# Two pytest-xdist workers, each taking whole files (README.md, Tests: why, and the timings).
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
