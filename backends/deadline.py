@@ -7,12 +7,15 @@ one, :class:`Deadline` bounds a block by it.
 :class:`Deadline` is ``asyncio.timeout_at`` as a plain context manager, with the same
 outcome: when the deadline passes the task is cancelled, and leaving the block raises
 ``TimeoutError`` when that cancellation is what ended it (not when the task was also
-cancelled from elsewhere). Unlike ``asyncio.timeout``, it does not cancel a task that a
-cancellation from elsewhere is already unwinding: it waits until that one is over (see
-:meth:`Deadline._expire`). Why not ``asyncio.timeout``: on Python 3.11 each use costs
-several microseconds (an enum-driven state machine whose member lookups go through
-``EnumType.__getattr__``, two coroutine objects, three process-id system calls from
-``get_running_loop``), and one request to an upstream crosses half a dozen of them.
+cancelled from elsewhere). Like ``asyncio.timeout`` it cancels at once, even a task that
+another cancellation is already unwinding: a clean-up that must not be cut short (closing
+an upstream connection) runs in a task that only its owner cancels, never in the task a
+deadline bounds (``backends._upstream_exchange``).
+
+Why not ``asyncio.timeout``: on Python 3.11 each use costs several microseconds (an
+enum-driven state machine whose member lookups go through ``EnumType.__getattr__``, two
+coroutine objects, three process-id system calls from ``get_running_loop``), and one
+request to an upstream crosses half a dozen of them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-__all__ = ["DEFERRAL_S", "MAX_DEFERRALS", "Deadline", "earliest", "until_uncancelled"]
+__all__ = ["Deadline", "earliest"]
 
 
 def earliest(*deadlines: float | None) -> float | None:
@@ -35,7 +38,7 @@ class Deadline:
     """``with Deadline(when):`` cancels the task at ``when`` (``time.monotonic()``; None:
     never) and turns that cancellation into ``TimeoutError`` (see the module docstring)."""
 
-    __slots__ = ("_when", "_task", "_handle", "_cancelling", "_expired", "_deferred")
+    __slots__ = ("_when", "_task", "_handle", "_cancelling", "_expired")
 
     def __init__(self, when: float | None) -> None:
         self._when = when
@@ -43,7 +46,6 @@ class Deadline:
         self._handle: asyncio.Handle | None = None
         self._cancelling = 0
         self._expired = False
-        self._deferred = 0
 
     def __enter__(self) -> None:
         if self._when is None:
@@ -73,33 +75,7 @@ class Deadline:
                 raise TimeoutError from exc
 
     def _expire(self) -> None:
-        task = self._task
-        assert task is not None
-        if task.cancelling() > self._cancelling and self._deferred < MAX_DEFERRALS:
-            # Another cancellation (an inner deadline's, a client's disconnect) is unwinding
-            # the task now, maybe through a library's clean-up: a second one would cut that
-            # clean-up short (httpcore then never closes the upstream connection). Look again
-            # shortly; if the block is left meanwhile, nothing is owed. Bounded, for code that
-            # swallows a cancellation without ``uncancel()``.
-            self._deferred += 1
-            self._handle = asyncio.get_running_loop().call_later(DEFERRAL_S, self._expire)
-            return
         self._handle = None
         self._expired = True
-        task.cancel()
-
-
-#: While another cancellation unwinds the task, an expired deadline looks again this often,
-#: at most this many times (0.1 s in all), then cancels anyway. The router's stream timer
-#: (``gateway.serving.router.RoutedStream``) defers by the same rule.
-DEFERRAL_S = 0.001
-MAX_DEFERRALS = 100
-
-
-async def until_uncancelled(task: asyncio.Task[Any]) -> None:
-    """Wait while another cancellation is unwinding ``task`` (at most 0.1 s), so that a
-    cancellation sent next does not cut its clean-up short (see :meth:`Deadline._expire`)."""
-    for _ in range(MAX_DEFERRALS):
-        if not task.cancelling():
-            return
-        await asyncio.sleep(DEFERRAL_S)
+        assert self._task is not None
+        self._task.cancel()

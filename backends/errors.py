@@ -27,7 +27,8 @@ Adapters translate their library's exceptions into this tree at their boundary
         ├── UpstreamRateLimitError         429 rate_limit_exceeded    (retryable on another)
         ├── UpstreamStatusError            502 upstream_error         (5xx: retryable)
         ├── UpstreamTimeoutError           504 upstream_timeout       (retryable)
-        ├── StreamIdleTimeoutError         504 stream_idle_timeout
+        ├── UpstreamStreamBrokenError      502 upstream_stream_broken (after output: resumable)
+        ├── StreamIdleTimeoutError         504 stream_idle_timeout    (after output: resumable)
         └── GenerationAbortedError         499 request_aborted
 """
 
@@ -54,6 +55,7 @@ __all__ = [
     "UnsupportedParameterError",
     "UpstreamRateLimitError",
     "UpstreamStatusError",
+    "UpstreamStreamBrokenError",
     "UpstreamTimeoutError",
 ]
 
@@ -223,11 +225,24 @@ class UpstreamTimeoutError(BackendError):
     retryable = True
 
 
+class UpstreamStreamBrokenError(BackendError):
+    """The upstream's stream broke after output began: the connection was reset or closed
+    mid-body (its process died, a chunked body cut without its last chunk, TLS closed without
+    close_notify), or it sent an error or undecodable event. The router never retries it (the
+    client has output already); with ``resume_on_failure`` the next backend continues the
+    answer (``gateway/serving/stream_resume.py``), hence retryable."""
+
+    code = "upstream_stream_broken"
+    retryable = True
+
+
 class StreamIdleTimeoutError(BackendError):
-    """The stream went silent for longer than the idle timeout after it started."""
+    """The stream went silent for longer than the idle timeout after it started. Retryable
+    in the same sense as :class:`UpstreamStreamBrokenError`: only a resume acts on it."""
 
     status_code = 504
     code = "stream_idle_timeout"
+    retryable = True
 
 
 class GenerationAbortedError(BackendError):

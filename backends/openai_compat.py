@@ -12,6 +12,13 @@ chunk with its ``token_count``: the gateway's work per chunk is then paid per re
 token). Closing the iterator closes the upstream response, which
 makes the upstream abort the generation.
 
+Each upstream exchange is closed exactly once, by its one exit (``response.aclose()`` in a
+``finally``), whichever of the deadlines here, the router's stream timer, a client's
+disconnect or an abort cancels the request's task first, and however close together they
+land: over httpx the network I/O and the close run in the exchange's own task, which those
+cancellations never reach (:mod:`backends._upstream_exchange`); the native client's
+clean-ups are synchronous, out of their reach by construction.
+
 Errors are translated here, at the boundary::
 
     connection refused / reset before a response  -> BackendUnavailableError   (retryable)
@@ -21,8 +28,8 @@ Errors are translated here, at the boundary::
     401/403 (the gateway's upstream key is bad)    -> BackendError
     other 4xx                                      -> InvalidRequestError / NotFoundError,
                                                       with the upstream's message and param
-    silence between events past the idle timeout   -> StreamIdleTimeoutError
-    stream broken or cut short after output began  -> BackendError
+    silence between events past the idle timeout   -> StreamIdleTimeoutError    (resumable)
+    stream broken or cut short after output began  -> UpstreamStreamBrokenError (resumable)
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import os
 import ssl
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 import msgspec
@@ -51,6 +58,7 @@ from backends._openai_wire import (
 )
 from backends._option import BackendOptionError, decode_options
 from backends._sse import SSEParser
+from backends._upstream_exchange import HttpxExchange
 from backends.base import (
     BackendConfig,
     Capabilities,
@@ -73,6 +81,7 @@ from backends.errors import (
     StreamIdleTimeoutError,
     UpstreamRateLimitError,
     UpstreamStatusError,
+    UpstreamStreamBrokenError,
     UpstreamTimeoutError,
 )
 
@@ -271,7 +280,7 @@ class OpenAICompatBackend:
                     async for _ in response.aiter_bytes():
                         pass
                 finally:
-                    await _close_to_the_end(response)
+                    await response.aclose()
         except TimeoutError:
             return HealthStatus(ok=False, detail=f"no answer within {_HEALTH_TIMEOUT_S:g} s")
         except httpx.HTTPError as exc:
@@ -334,7 +343,7 @@ class OpenAICompatBackend:
             except httpx.HTTPError as exc:
                 raise self._broken_error(False, f"{type(exc).__name__}: {exc}") from exc
         finally:
-            await _close_to_the_end(response)
+            await response.aclose()
         try:
             answer = msgspec.json.decode(b"".join(parts), type=UpstreamEmbeddings)
         except msgspec.DecodeError as exc:
@@ -416,7 +425,7 @@ class OpenAICompatBackend:
                 yield GenerationChunk(prompt_text=events.pending_prompt)
             yield GenerationChunk(finish_reason=events.finish_reason, usage=events.usage)
         finally:
-            await _close_to_the_end(response)
+            await response.aclose()
 
     def _take(self, events: _Events, payloads: list[bytes], merge: bool) -> list[GenerationChunk]:
         """The output chunks of ``payloads``. A broken event sets ``events.error`` (raised
@@ -490,7 +499,8 @@ class OpenAICompatBackend:
     async def _open(
         self, method: str, path: str, body: bytes, headers: dict[str, str]
     ) -> UpstreamResponse:
-        """Send a request to ``{base_url}{path}``; the response body is still to be read."""
+        """Send a request to ``{base_url}{path}``; the response body is still to be read.
+        Always ``aclose()`` the response; cancelled or failed, nothing is left open."""
         if self._pool is None and self._client is None:
             await self.start()
         if self._pool is not None:
@@ -506,7 +516,7 @@ class OpenAICompatBackend:
         http_request = self._client.build_request(
             method, self._base_url + path, content=body, headers=headers
         )
-        return await _send_to_the_end(self._client, http_request)
+        return await HttpxExchange.open(self._client, http_request)
 
     async def _send(
         self, path: str, body: bytes, headers: dict[str, str], deadline: float | None
@@ -545,8 +555,9 @@ class OpenAICompatBackend:
 
     def _broken_error(self, has_output: bool, detail: str) -> InfermuxError:
         message = f"backend {self.name!r}: the upstream stream broke: {detail}"
-        # Before any output the router may still try elsewhere; after, it must not.
-        return BackendError(message) if has_output else UpstreamStatusError(message)
+        # Before any output the router may still try elsewhere; after, only a resume may
+        # (``resume_on_failure``: the next backend continues the answer).
+        return UpstreamStreamBrokenError(message) if has_output else UpstreamStatusError(message)
 
     async def _status_error(self, response: UpstreamResponse) -> InfermuxError:
         status = response.status_code
@@ -598,58 +609,3 @@ def create_backend(config: BackendConfig) -> OpenAICompatBackend:
     """Factory registered for kind ``"openai"``."""
     return OpenAICompatBackend(config)
 
-
-# -- closing httpx's connections whatever the cancellations -----------------------------------
-#
-# httpx (httpcore) closes a connection whose response is unread behind an anyio lock, whose
-# acquisition yields to the loop, and anyio's shield does not stop a plain ``task.cancel()``:
-# a second cancellation while the first unwinds stops the close half-way, the connection is
-# never closed and the upstream's generation runs on. The gateway's deadlines never pile a
-# second cancellation on (backends/deadline.py; the router's stream timer, which bounds the
-# same total timeout as this backend's own deadline, by the same rule); in addition, each send and each close the
-# backend makes itself runs in a task of its own, which gets at most the one cancellation
-# passed on here and finishes its clean-up whatever the request's task gets meanwhile. (The
-# close httpcore makes inside a cancelled read runs in the request's task and has only the
-# first guard.) The native HTTP/1.1 client closes synchronously and needs none of this.
-
-#: Closes and sends still finishing after their request's task was cancelled.
-_finishing: set[asyncio.Future[Any]] = set()
-
-
-def _keep_until_done(task: asyncio.Future[Any]) -> None:
-    if not task.done():
-        _finishing.add(task)
-        task.add_done_callback(_finishing.discard)
-
-
-async def _close_to_the_end(response: UpstreamResponse) -> None:
-    """``response.aclose()``, run to its end even when this task is cancelled meanwhile."""
-    if not isinstance(response, httpx.Response):  # the native client's: closes at once
-        await response.aclose()
-        return
-    close = asyncio.ensure_future(response.aclose())
-    try:
-        await asyncio.shield(close)
-    except asyncio.CancelledError:
-        _keep_until_done(close)
-        raise
-
-
-async def _send_to_the_end(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
-    """``client.send(request, stream=True)``; when this task is cancelled, the send is
-    cancelled once and its clean-up (closing the half-used connection) runs to its end, and a
-    response that arrived meanwhile is closed."""
-    send = asyncio.ensure_future(client.send(request, stream=True))
-    try:
-        return await asyncio.shield(send)
-    except asyncio.CancelledError:
-        send.cancel()
-        send.add_done_callback(_close_if_answered)
-        _keep_until_done(send)
-        raise
-
-
-def _close_if_answered(send: asyncio.Future[httpx.Response]) -> None:
-    if send.cancelled() or send.exception() is not None:
-        return
-    _keep_until_done(asyncio.ensure_future(send.result().aclose()))

@@ -33,7 +33,6 @@ from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Scope, Send
 
 from backends.base import GenerationChunk, GenerationRequest
-from backends.deadline import until_uncancelled
 from backends.errors import GenerationAbortedError, InfermuxError
 from gateway.config.types import ApiKeyConfig
 from gateway.http.errors import error_frame, to_infermux_error
@@ -243,7 +242,6 @@ async def _while_connected(receive: Receive, work: Awaitable[T]) -> T:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                await until_uncancelled(task)  # not into a deadline's clean-up
                 disconnected = True
                 task.cancel()
                 return

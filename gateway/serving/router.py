@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 import msgspec
 
 from backends.base import Backend, BackendConfig, GenerationChunk, GenerationRequest, Usage
-from backends.deadline import DEFERRAL_S, MAX_DEFERRALS, Deadline, earliest
+from backends.deadline import Deadline, earliest
 from backends.errors import (
     BackendError,
     BackendUnavailableError,
@@ -557,11 +557,11 @@ class RoutedStream:
     ``asyncio.timeout`` per chunk, which arms and disarms a timer each time (more CPU than
     the rest of a chunk's way through the gateway). The timer is re-armed only when it
     fires before the deadline of the wait in progress (the idle deadline moved on); when a
-    wait's deadline has passed it cancels the waiting task, as ``asyncio.timeout`` would,
-    except while another cancellation is unwinding that task (the backend's own deadline
-    for the same total timeout, a client's disconnect): then it looks again shortly, by
-    ``backends.deadline.Deadline``'s rule, so that the unwinding clean-up (httpcore closing
-    the upstream connection) is not cut short.
+    wait's deadline has passed it cancels the waiting task at once, as ``asyncio.timeout``
+    would, even while another cancellation (the backend's own deadline for the same total
+    timeout, a client's disconnect) is unwinding it: backends keep the clean-up that must
+    finish out of the waiting task's reach (the ``openai`` backend closes its upstream
+    exchange in a task of its own, ``backends._upstream_exchange``).
     """
 
     def __init__(
@@ -600,8 +600,6 @@ class RoutedStream:
         self._cancelling = 0
         #: The waiter the timer cancelled (until it has seen the cancellation).
         self._expired: asyncio.Task[Any] | None = None
-        #: How often the timer has looked again while another cancellation unwound the wait.
-        self._deferred = 0
 
     def __aiter__(self) -> RoutedStream:
         return self
@@ -668,7 +666,6 @@ class RoutedStream:
             self._waiter = task
             self._wait_deadline = deadline
             self._cancelling = task.cancelling()
-            self._deferred = 0
             if self._timer is None or deadline < self._timer_at:
                 self._arm(deadline)
         return idle_deadline
@@ -722,13 +719,6 @@ class RoutedStream:
             return  # between chunks: the next wait arms the timer again
         if self._wait_deadline > self._timer_at:
             self._arm(self._wait_deadline)  # armed for an earlier wait's deadline
-            return
-        if waiter.cancelling() > self._cancelling and self._deferred < MAX_DEFERRALS:
-            # Another cancellation is unwinding the wait (see the class docstring): a second
-            # one would cut its clean-up short. Armed past the wait's deadline, so the next
-            # firing goes on to this check again.
-            self._deferred += 1
-            self._arm(time.monotonic() + DEFERRAL_S)
             return
         self._expired = waiter
         waiter.cancel()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ from backends.errors import (
     StreamIdleTimeoutError,
     UpstreamRateLimitError,
     UpstreamStatusError,
+    UpstreamStreamBrokenError,
     UpstreamTimeoutError,
 )
 from backends.openai_compat import OpenAICompatBackend, _Events, create_backend
@@ -67,6 +69,12 @@ async def _collect(
         return [chunk async for chunk in backend.generate(request)]
     finally:
         await backend.aclose()
+
+
+async def _collect_without_closing(
+    backend: OpenAICompatBackend, request: GenerationRequest
+) -> list[GenerationChunk]:
+    return [chunk async for chunk in backend.generate(request)]
 
 
 @pytest.mark.parametrize("transport", ["native", "httpx"])
@@ -279,16 +287,21 @@ async def test_silence_after_headers_is_an_upstream_timeout(
     await upstream.until(lambda: upstream.num_disconnects == 1)
 
 
-async def test_death_mid_stream_is_not_retryable(upstream_servers: StartUpstream) -> None:
+async def test_death_mid_stream_is_a_broken_stream_only_a_resume_may_act_on(
+    upstream_servers: StartUpstream,
+) -> None:
+    """Retryable (``resume_on_failure`` continues the answer elsewhere); the router itself
+    never retries after the first chunk (tests/reliability/test_upstream_faults.py)."""
     upstream = upstream_servers(Behaviour(mode="die_mid_stream", after_chunks=2))
     received: list[str] = []
     backend = _backend(upstream.base_url)
-    with pytest.raises(BackendError) as caught:
+    with pytest.raises(UpstreamStreamBrokenError) as caught:
         async for chunk in backend.generate(_chat("one two three four")):
             received.append(chunk.text)
     await backend.aclose()
     assert received == ["one", " two"]
-    assert not caught.value.retryable
+    assert caught.value.retryable
+    assert caught.value.code == "upstream_stream_broken"
 
 
 async def test_stall_mid_stream_hits_the_idle_timeout(upstream_servers: StartUpstream) -> None:
@@ -328,20 +341,36 @@ async def test_a_deadline_expiring_while_another_unwinds_still_closes_the_upstre
     backend = _backend(upstream.base_url, options=options, first_byte_timeout=0.05)
     kept_open: list[float] = []
     try:
+        # A first request opens the connection pool and the TLS context off the clock (cold,
+        # it can take longer than the 50 ms: then once more).
+        upstream.script(Behaviour())
+        for _ in range(5):
+            try:
+                await _collect_without_closing(backend, _chat())
+                break
+            except UpstreamTimeoutError:
+                pass
+        num_warm_up = upstream.num_requests
+        #: Requests the upstream kept open (their indexes in ``upstream.requests``).
+        leaked: set[int] = set()
+
+        def open_requests() -> set[int]:
+            return {i for i, r in enumerate(upstream.requests) if r.outcome == "open"} - leaked
+
         for step in range(60):
             gap_s = step * 25e-6
-            closed_before = upstream.num_disconnects
             with pytest.raises((TimeoutError, UpstreamTimeoutError)):
                 with Deadline(time.monotonic() + 0.05 - gap_s):
                     async for _ in backend.generate(_chat()):
                         pass
+            # Every request the upstream got was closed (a request cut before it was sent
+            # never reaches it, and is nothing it could keep open).
             try:
-                await upstream.until(
-                    lambda closed=closed_before: upstream.num_disconnects > closed, 2.0
-                )
+                await upstream.until(lambda: not open_requests(), 2.0)
             except AssertionError:
                 kept_open.append(gap_s)
-                upstream.num_disconnects += 1  # go on sweeping
+                leaked.update(open_requests())  # go on sweeping
+        assert upstream.num_requests - num_warm_up >= 50, "most steps must reach the upstream"
         assert kept_open == [], (
             f"the upstream streamed on with the outer deadline {kept_open[0] * 1e6:.0f} us "
             "before the backend's"
@@ -370,26 +399,45 @@ async def test_the_router_total_deadline_next_to_the_backend_one_still_closes_th
     backend = _backend(upstream.base_url, options=options)
     kept_open: float | None = None
     try:
-        for step in range(-20, 40):
-            gap_s = step * 25e-6
-            closed_before = upstream.num_disconnects
+        # A first request opens the connection pool and the TLS context (over 80 ms on a
+        # loaded machine), so that every step below gets its first chunk in time.
+        upstream.script(Behaviour())
+        assert (await _collect_without_closing(backend, _chat()))[-1].finish_reason == "stop"
+        num_warm_up = upstream.num_requests
+
+        def still_streaming() -> bool:
+            # A request cut before it was sent never reaches the upstream: nothing kept open.
+            return any(r.outcome != "disconnected" for r in upstream.requests[num_warm_up:])
+
+        steps = list(range(-20, 40))
+        num_late = 0
+        while steps:
+            gap_s = steps[0] * 25e-6
             deadline = time.monotonic() + 0.08
             stream = backend.generate(msgspec_replace(_chat(), deadline=deadline))
-            routed = RoutedStream(
-                backend_name="remote",
-                attempts=[],
-                first=await anext(stream),
-                stream=stream,
-                on_done=lambda *_: None,
-                deadline=deadline + gap_s,
-            )
-            with pytest.raises(UpstreamTimeoutError):
-                async for _ in routed:
-                    pass
             try:
-                await upstream.until(
-                    lambda closed=closed_before: upstream.num_disconnects > closed, 2.0
+                first = await anext(stream)
+            except UpstreamTimeoutError:
+                # No first chunk within the 80 ms (a loaded machine): the deadlines never
+                # met mid-stream, so this gap runs again (the upstream must still see a
+                # close, checked below).
+                num_late += 1
+                assert num_late < 20, "the upstream's first chunk keeps coming too late"
+            else:
+                steps.pop(0)
+                routed = RoutedStream(
+                    backend_name="remote",
+                    attempts=[],
+                    first=first,
+                    stream=stream,
+                    on_done=lambda *_: None,
+                    deadline=deadline + gap_s,
                 )
+                with pytest.raises(UpstreamTimeoutError):
+                    async for _ in routed:
+                        pass
+            try:
+                await upstream.until(lambda: not still_streaming(), 1.5)
             except AssertionError:
                 kept_open = gap_s
                 break
@@ -397,6 +445,75 @@ async def test_the_router_total_deadline_next_to_the_backend_one_still_closes_th
             f"the upstream streamed on with the router's timer {kept_open * 1e6:+.0f} us "
             "after the backend's deadline"
         )
+    finally:
+        await backend.aclose()
+        upstream.stop()
+
+
+@pytest.mark.parametrize("first", ["router_total", "backend_deadline", "disconnect", "aclose"])
+@pytest.mark.parametrize("transport", ["native", "httpx", "https"])
+async def test_the_upstream_sees_one_close_per_request_whichever_cancellation_comes_first(
+    test_ca: TLSFiles, transport: str, first: str
+) -> None:
+    # Mid-stream, four hands end a request: the router's total timeout (RoutedStream's
+    # timer), the backend's own deadline (its idle and total deadlines are one Deadline
+    # block), the client's disconnect (the consuming task cancelled) and an abort
+    # (RoutedStream.aclose from another task). ``first`` is due first, the three others
+    # ``gap`` later: at gap 0 all land in the same loop turn, at the larger gaps while the
+    # first one's cancellation unwinds. However they pile up, the upstream sees its request
+    # closed once and the consumer ends.
+    loop = asyncio.get_running_loop()
+    upstream = UpstreamServer(
+        Behaviour(mode="stall_mid_stream", after_chunks=1),
+        tls=test_ca if transport == "https" else None,
+    ).start()
+    options: dict[str, Any] = {"http_transport": "native" if transport == "native" else "httpx"}
+    if transport == "https":
+        options["ca_bundle"] = str(test_ca.ca_bundle)
+    backend = _backend(upstream.base_url, options=options)
+    gaps_s = [0.0, 0.0, 50e-6, 200e-6, 1e-3]
+    try:
+        upstream.script(Behaviour())  # opens the pool (and TLS) off the clock
+        await _collect_without_closing(backend, _chat())
+        for gap_s in gaps_s:
+            at = time.monotonic() + 0.2
+            later = math.nextafter(at + gap_s, math.inf)
+            due = {
+                name: at if name == first else later
+                for name in ("router_total", "backend_deadline", "disconnect", "aclose")
+            }
+            stream = backend.generate(msgspec_replace(_chat(), deadline=due["backend_deadline"]))
+            routed = RoutedStream(
+                backend_name="remote",
+                attempts=[],
+                first=await anext(stream),
+                stream=stream,
+                on_done=lambda *_: None,
+                deadline=due["router_total"],
+            )
+
+            async def consume(routed: RoutedStream = routed) -> None:
+                try:
+                    async for _ in routed:
+                        pass
+                finally:
+                    await routed.aclose()
+
+            consumer = asyncio.ensure_future(consume())
+            abort: asyncio.Future[asyncio.Task[None]] = loop.create_future()
+            loop.call_at(due["disconnect"], consumer.cancel)
+            loop.call_at(
+                due["aclose"],
+                lambda r=routed, f=abort: f.set_result(asyncio.ensure_future(r.aclose())),
+            )
+            await asyncio.wait([consumer], timeout=5.0)
+            assert consumer.done(), "the consumer did not end"
+            if not consumer.cancelled():
+                assert isinstance(consumer.exception(), UpstreamTimeoutError)
+            await asyncio.wait_for(await asyncio.wait_for(abort, 5.0), 5.0)
+        await upstream.until(lambda: upstream.num_disconnects == len(gaps_s), 5.0)
+        closed = [r.outcome for r in upstream.requests if r.method == "POST"][1:]
+        assert closed == ["disconnected"] * len(gaps_s)
     finally:
         await backend.aclose()
         upstream.stop()

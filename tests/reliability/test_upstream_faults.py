@@ -282,7 +282,7 @@ def test_upstream_death_mid_stream_is_an_error_frame_with_partial_usage_once(
         assert response.status_code == 200
         assert "[DONE]" not in frames
         error = json.loads(frames[-1])["error"]
-        assert (error["type"], error["code"]) == ("server_error", "backend_error")
+        assert (error["type"], error["code"]) == ("server_error", "upstream_stream_broken")
         assert _content(frames[:-1]) == "one two"
         assert b.num_requests == 0  # never retried after the first byte
 
@@ -307,7 +307,7 @@ def test_upstream_death_without_stream_is_502_with_partial_usage_once(
     config = with_ledger(config_with(remote("a", a.base_url)), ledger)
     with live_gateway(config, plugin_manager=pm) as gw:
         response = ask(gw)
-        assert envelope(response, 502)["code"] == "backend_error"
+        assert envelope(response, 502)["code"] == "upstream_stream_broken"
         request_id = response.headers["x-request-id"]
         wait_until(lambda: len(recorder.records_of(request_id)) == 1)
         time.sleep(0.2)
@@ -316,7 +316,7 @@ def test_upstream_death_without_stream_is_502_with_partial_usage_once(
         (row,) = ledger_rows(ledger, request_id)
         assert (row["status"], row["error_code"], row["output_tokens"]) == (
             "error",
-            "backend_error",
+            "upstream_stream_broken",
             3,
         )
         assert_still_serving(gw)
