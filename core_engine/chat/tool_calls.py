@@ -61,7 +61,8 @@ class _CallScanner:
 
     Knows, at any point, the call's name (once its string closed) and how much of the
     arguments value is final text (all of an open object or array so far; a string or scalar
-    value only once it ends).
+    value only once it ends). A repeated ``name`` or arguments key (unconstrained output) is
+    ignored: the first ones may have streamed already, and a split must not change the call.
     """
 
     def __init__(self, args_keys: tuple[str, ...]) -> None:
@@ -97,14 +98,14 @@ class _CallScanner:
         start, key = self.value_start, self.key
         if start is not None and key is not None:
             raw = "".join(self.buf[start:end])
-            if key == "name" and raw.startswith('"'):
+            if key == "name" and raw.startswith('"') and self.name is None:
                 try:
                     name = json.loads(raw)
                 except ValueError:
                     name = None
                 self.name = name if isinstance(name, str) else None
-            elif key in self.args_keys:
-                self.args_start, self.args_end = start, end
+            elif key in self.args_keys and start == self.args_start:
+                self.args_end = end
                 self.args_is_string = raw.startswith('"')
         self.key, self.value_start, self.after_colon = None, None, False
 
@@ -137,7 +138,9 @@ class _CallScanner:
             return
         if self.depth == 1 and self.after_colon and self.value_start is None:
             self.value_start = i
-            if self.key in self.args_keys:
+            # The first arguments value is the call's: it may have streamed already, so a
+            # repeated key (unconstrained output) must not restart it under the same index.
+            if self.key in self.args_keys and self.args_start is None:
                 self.args_start = i
         if char == '"':
             self.in_string, self.string_start = True, i

@@ -63,12 +63,18 @@ PROMPTS = [
 ]
 
 
+def _backend(name: str, kind: str, **options: Any) -> BackendConfig:
+    # A loaded CPU (a full run, MLX on the CPU) may take longer than the default first-byte
+    # timeout (60 s) before the first token of an answer.
+    return BackendConfig(name=name, kind=kind, options=options, first_byte_timeout=300.0, idle_timeout=120.0)
+
+
 @pytest.fixture(scope="module")
 def gw(live_gateway: Any) -> Iterator[LiveGateway]:
     config = gateway_config(
-        BackendConfig(name="core", kind="core_engine", options={"num_threads": 2, "kv_cache_memory_mb": 128}),
-        BackendConfig(name="llamacpp", kind="llamacpp", options={"n_ctx": 2048, "parallel": 2}),
-        BackendConfig(name="mlx", kind="mlx", options={"n_ctx": 2048}),
+        _backend("core", "core_engine", num_threads=2, kv_cache_memory_mb=128),
+        _backend("llamacpp", "llamacpp", n_ctx=2048, parallel=2),
+        _backend("mlx", "mlx", n_ctx=2048),
         models={name: [name] for name in BACKENDS},
     )
     with live_gateway(config) as gateway:
@@ -106,8 +112,10 @@ def test_required_tool_choice_always_gives_valid_calls(gw: LiveGateway, model: s
 
 @pytest.mark.parametrize("model", BACKENDS)
 def test_parallel_calls_are_each_valid(gw: LiveGateway, model: str) -> None:
-    # With parallel calls allowed this small model often goes on calling until max_tokens;
-    # every call it finished is valid, and the indices count up from 0.
+    # Sampled, with parallel calls allowed: how many calls this 135M model makes, and what
+    # it puts in them, is its own choice (it often goes on calling until max_tokens). What
+    # holds for every output: at least one call, each finished one valid for its function
+    # (a call cut by max_tokens may only be the last), ids unique.
     client = gw.openai_client(timeout=180)
     completion = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": PROMPTS[3]}], tools=TOOLS, tool_choice="required",
@@ -115,8 +123,10 @@ def test_parallel_calls_are_each_valid(gw: LiveGateway, model: str) -> None:
     )
     choice = completion.choices[0]
     assert choice.finish_reason in ("tool_calls", "length")
-    calls = _valid_calls(choice.message, cut=choice.finish_reason == "length")
-    assert calls or choice.finish_reason == "length"
+    calls = list(choice.message.tool_calls or ())
+    assert calls or choice.finish_reason == "length"  # cut before the first name closed
+    _valid_calls(choice.message, cut=choice.finish_reason == "length")
+    assert len({call.id for call in calls}) == len(calls)
 
 
 @pytest.mark.parametrize("model", BACKENDS)

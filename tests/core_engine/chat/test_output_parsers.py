@@ -33,6 +33,12 @@ TOOL_CASES = [
     ("hermes", '<tool_call>{"name": "ping"}</tool_call>', "", [("ping", "{}")]),
     ("hermes", '<tool_call>{"name": "enc", "arguments": "{\\"x\\": 1}"}</tool_call>', "", [("enc", '{"x": 1}')]),
     ("hermes", "Café ☕ — no call", "Café ☕ — no call", []),
+    # Unconstrained output repeating a key: the first name and arguments (they may have
+    # streamed already), never the tail of the second value appended under the same index.
+    ("hermes", '<tool_call>{"name": "t", "arguments": {"tz": "Oslo"}, "arguments": {"tz": "America/New_York"}}</tool_call>',
+     "", [("t", '{"tz": "Oslo"}')]),
+    ("hermes", '<tool_call>{"name": "t", "arguments": {"tz": "Oslo"}, "name": "w", "parameters": {}}</tool_call>',
+     "", [("t", '{"tz": "Oslo"}')]),
     ("llama3_json", '{"name": "get_weather", "parameters": ' + WEATHER + "}", "", [("get_weather", WEATHER)]),
     ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": [1, 2, {"y": "}"}]}}; {"name": "b", "parameters": {}}',
      "", [("a", '{"x": [1, 2, {"y": "}"}]}'), ("b", "{}")]),
