@@ -32,6 +32,8 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	scripts/install_test_services.sh
+	# Trained tiny models, built once per machine and cached keyed on their inputs (docs/testing.md).
+	$(PY) scripts/build_test_artifacts.py
 	$(VENV)/bin/ruff check gateway backends plugins core_engine tests
 	$(VENV)/bin/mypy
 	# Two pytest-xdist workers, each taking whole files (README.md, Tests: why, and the timings).

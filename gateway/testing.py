@@ -9,16 +9,21 @@ exposed as the ``live_gateway`` fixture by ``tests/conftest.py``::
         gw.backend("mock").num_finished            # the live backend object
 
 The server is uvicorn in a background thread with its own event loop, speaking real HTTP
-on 127.0.0.1; the block waits until ``/ready`` is 200 and stops the server on exit.
+on 127.0.0.1; the block waits until ``/ready`` is 200 and stops the server on exit. Its files
+(the usage ledger, and the stored responses in it) go to ``data_dir``, or to a temporary
+directory removed on exit, unless the config or ``$INFERMUX_LEDGER_PATH`` names a ledger:
+a test gateway never writes the working directory's ``var/``.
 """
 
 from __future__ import annotations
 
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -122,12 +127,30 @@ def run_gateway(
     ready_timeout_s: float = 600.0,
     allow_failed_backends: bool = False,
     wait_ready: bool = True,
+    data_dir: str | Path | None = None,
 ) -> Iterator[LiveGateway]:
     """Serve ``config`` on a free 127.0.0.1 port until the block ends.
 
     Waits until ``/ready`` is 200 (``wait_ready=False``: only until it listens) and raises
-    if a backend failed to start, unless ``allow_failed_backends``.
+    if a backend failed to start, unless ``allow_failed_backends``. ``data_dir``: where the
+    ledger goes when the config names none (default: a temporary directory).
     """
+    with ExitStack() as stack:
+        if config.cost.ledger_path is None:
+            directory = data_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="infermux-gateway-"))
+            ledger = str(Path(directory) / "ledger.sqlite3")
+            config = msgspec.structs.replace(config, cost=msgspec.structs.replace(config.cost, ledger_path=ledger))
+        yield from _serve(config, plugin_manager, backends, ready_timeout_s, allow_failed_backends, wait_ready)
+
+
+def _serve(
+    config: InfermuxConfig,
+    plugin_manager: Any | None,
+    backends: Mapping[str, Backend] | None,
+    ready_timeout_s: float,
+    allow_failed_backends: bool,
+    wait_ready: bool,
+) -> Iterator[LiveGateway]:
     import uvicorn
 
     app = create_app(config, plugin_manager=plugin_manager, backends=backends)

@@ -11,15 +11,21 @@ tests of any scope can start a real server::
     def real(live_gateway):
         with live_gateway(default_config()) as gw:      # loads the real model once
             yield gw
+
+Each gateway it starts keeps its files (the usage ledger and the stored responses in it,
+unless the config names a ledger) in a fresh directory of the session's temporary
+directory, never in the working directory's ``var/``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
 import pytest
 
+from gateway.config.types import InfermuxConfig
 from gateway.testing import LiveGateway, gateway_config, run_gateway
 
 # The plugin author's fixtures (plugin_manager, hook_recorder, plugin_gateway), as a plugin
@@ -28,9 +34,14 @@ pytest_plugins = ["plugins.testing"]
 
 
 @pytest.fixture(scope="session")
-def live_gateway() -> Callable[..., AbstractContextManager[LiveGateway]]:
+def live_gateway(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., AbstractContextManager[LiveGateway]]:
     """``with live_gateway(config, plugin_manager=..., backends=...) as gw:``."""
-    return run_gateway
+
+    def start(config: InfermuxConfig, **options: Any) -> AbstractContextManager[LiveGateway]:
+        options.setdefault("data_dir", tmp_path_factory.mktemp("gateway"))
+        return run_gateway(config, **options)
+
+    return start
 
 
 @pytest.fixture()

@@ -1,19 +1,17 @@
 """The reference external plugin package, installed into the environment like a user's.
 
-``examples/plugins/infermux-length-router`` is pip-installed (``make install`` does it; this
-module installs it when missing), discovered through the ``infermux`` entry-point group and
-used by a live gateway built the way ``infermux serve`` builds it.
+``examples/plugins/infermux-length-router`` is pip-installed once by ``make install`` (the
+tests never install into the virtualenv; without it they fail, naming that command),
+discovered through the ``infermux`` entry-point group and used by a live gateway built the
+way ``infermux serve`` builds it.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
-import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,33 +63,10 @@ def is_installed() -> bool:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def installed_package() -> Iterator[None]:
+def installed_package() -> None:
     if not is_installed():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--no-build-isolation",
-                "-e",
-                str(PACKAGE_DIR),
-            ],
-            check=True,
-            timeout=600,
-        )
-        importlib.invalidate_caches()
-    assert is_installed()
-    # An editable install reaches sys.path through a .pth file read at interpreter start;
-    # a process that installed it a moment ago finds the module in its source directory.
-    added = importlib.util.find_spec("infermux_length_router") is None
-    if added:
-        sys.path.insert(0, str(PACKAGE_DIR))
-    yield
-    if added:
-        sys.path.remove(str(PACKAGE_DIR))
+        pytest.fail(f"{DIST_NAME} is not installed in this environment: `make install` installs it "
+                    f"(pip install --no-deps --no-build-isolation -e {PACKAGE_DIR})", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
