@@ -34,6 +34,9 @@ test: $(STAMP)
 	scripts/install_test_services.sh
 	# Trained tiny models, built once per machine and cached keyed on their inputs (docs/testing.md).
 	$(PY) scripts/build_test_artifacts.py
+	# llama.cpp's C++ llama-server, killed mid-stream by tests/reliability/test_real_deaths.py
+	# (cached per CPU and build flags; about 10 minutes on 2 cores the first time).
+	scripts/build_llama_server.sh >/dev/null
 	$(VENV)/bin/ruff check gateway backends plugins core_engine tests
 	$(VENV)/bin/mypy
 	# Two pytest-xdist workers, each taking whole files (README.md, Tests: why, and the timings).

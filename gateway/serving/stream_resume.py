@@ -2,8 +2,9 @@
 
 The router commits a request to a backend once its first chunk exists. Without this module
 a failure later ends the client's stream with an error frame. With it, a retryable failure
-after the first byte (the connection dropped, a 5xx, the worker died, an idle or total
-timeout) hands the answer to the next backend of the alias, which continues it:
+after the first byte (the worker died, an upstream's stream broke: its process killed, a
+reset, a body cut short; an idle or total timeout) hands the answer to the next backend of
+the alias, which continues it:
 
 - on a backend that serves the same model (the same model id) and honours
   ``Capabilities.resume``, from the exact token ids sent so far (the held-back ones of a
@@ -207,6 +208,9 @@ class ResumingStream:
 
 
 def _is_resumable_failure(error: InfermuxError) -> bool:
+    """A backend's retryable failure: after output the router never retries one, so here it
+    means "another backend may go on" (a worker's death, an ``openai`` remote's stream broken
+    or silent: ``UpstreamStreamBrokenError``, ``StreamIdleTimeoutError``). Not a cancellation."""
     return (
         isinstance(error, BackendError)
         and not isinstance(error, GenerationAbortedError)
