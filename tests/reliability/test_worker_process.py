@@ -42,14 +42,25 @@ def in_worker(config: BackendConfig) -> BackendConfig:
     return msgspec.structs.replace(config, worker_process=True)
 
 
-def stream_chat(gw: str, model: str, content: str, **fields: Any) -> tuple[int, list[str], str]:
+def stream_chat(
+    gw: str, model: str, content: str, *, first_tokens: threading.Event | None = None, **fields: Any
+) -> tuple[int, list[str], str]:
+    """Stream a chat; ``first_tokens`` is set once a frame with choices has arrived."""
     body = {"model": model, "messages": [{"role": "user", "content": content}], "stream": True}
     with httpx.stream(
         "POST", f"{gw}/v1/chat/completions", json=body | fields, timeout=120
     ) as response:
-        frames = sse_frames(response) if response.status_code == 200 else []
+        frames: list[str] = []
         if response.status_code != 200:
             response.read()
+        elif first_tokens is None:
+            frames = sse_frames(response)
+        else:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(line[len("data: ") :])
+                    if '"choices":[{' in frames[-1].replace(" ", ""):
+                        first_tokens.set()
         return response.status_code, frames, response.headers.get("x-request-id", "")
 
 
@@ -156,12 +167,12 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_frame(
     backend = worker_of(gw, "w")
     restarts = backend.restarts
     result: dict[str, Any] = {}
+    first_tokens = threading.Event()
     thread = threading.Thread(
-        target=lambda: result.setdefault("r", stream_chat(gw, "worker", WORDS))
+        target=lambda: result.setdefault("r", stream_chat(gw, "worker", WORDS, first_tokens=first_tokens))
     )
     thread.start()
-    wait_until(lambda: backend.stats().get("num_started", 0) >= 1, timeout_s=30)
-    time.sleep(0.2)  # some tokens are out: the client has its first bytes
+    assert first_tokens.wait(timeout=30)  # the client has its first tokens
     kill_when_running(backend, sig)
     thread.join(timeout=60)
     status, frames, request_id = result["r"]

@@ -344,10 +344,14 @@ async def test_the_total_timeout_ends_a_steady_stream(
 async def test_an_outside_cancellation_of_a_wait_is_not_a_timeout(
     consume: Callable[[RoutedStream], Awaitable[str]],
 ) -> None:
-    router, mocks = _router({"a": {"token_delay_s": 0.2}}, idle_timeout=0.5)
-    stream = await router.open(_request("one two three"))
+    # The consumer waits on the stream under an armed idle timer (30 s: never reached) when
+    # it is cancelled from outside; a few loop turns put it in that wait, no clock involved.
+    router, mocks = _router({"a": {"token_delay_s": 0.2}}, idle_timeout=30.0)
+    stream = await router.open(_request(" ".join(["word"] * 200)))
     task = asyncio.ensure_future(consume(stream))
-    await asyncio.sleep(0.1)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
