@@ -43,6 +43,12 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+@pytest.fixture(autouse=True)
+def private_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands run here keep their usage ledger under the test's tmp_path (never ./var)."""
+    monkeypatch.setenv("INFERMUX_LEDGER_PATH", str(tmp_path / "ledger.sqlite3"))
+
+
 @pytest.fixture()
 def plugin_dist(tmp_path: Path) -> Path:
     """An installed distribution (dist-info on sys.path) with a good and a broken plugin."""

@@ -423,10 +423,12 @@ def test_ready_is_503_with_the_reason_while_a_model_has_no_started_backend(
 
 
 def _serve(config_path: Path, port: int) -> subprocess.Popen[str]:
+    # Run in the config's folder (the test's tmp_path), the usage ledger with it: never ./var.
+    env = {**os.environ, "INFERMUX_LEDGER_PATH": str(config_path.parent / "ledger.sqlite3")}
     return subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path),
          "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=config_path.parent, env=env,
     )  # fmt: skip
 
 
