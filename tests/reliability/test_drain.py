@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -49,6 +50,7 @@ def serving(
             str(port),
         ],
         cwd=REPO,
+        env={**os.environ, "INFERMUX_LEDGER_PATH": str(tmp_path / "ledger.sqlite3")},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -50,7 +50,8 @@ class ServedGateway:
     def __init__(self, config: Path, *, env: dict[str, str], log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        full_env = {**os.environ, **env}
+        # The usage ledger beside the log (the test's tmp_path), never ./var, unless given.
+        full_env = {**os.environ, "INFERMUX_LEDGER_PATH": str(log.parent / "ledger.sqlite3"), **env}
         full_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p
         )
