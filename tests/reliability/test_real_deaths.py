@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,11 +39,11 @@ from reliability_util import ledger_rows, wait_until, with_ledger
 from served_upstream import ServedUpstream, infermux_upstream, llama_server, llama_server_binary
 from upstream_server import Behaviour, TLSFiles, UpstreamServer, backend_tls_options
 
-from backends.base import BackendConfig, GenerationChunk, GenerationRequest
+from backends.base import BackendConfig
 from backends.default_model import default_model_path
 from gateway.testing import LiveGateway, gateway_config
-from plugins.hookspecs import hookimpl
 from plugins.manager import create_plugin_manager
+from tests.routing.test_resume_live import Breaker
 
 pytestmark = pytest.mark.slow
 
@@ -60,16 +60,13 @@ IDLE_TIMEOUT_S = 0.5
 NEVER_OPEN = 1000
 
 
-class Watcher:
-    """Observes (never alters) every try: the chunks each backend sent and, for each resumed
-    try, whether it continued from the failed backend's token ids or from its text."""
-
-    def __init__(self) -> None:
-        self.chunks: dict[str, list[GenerationChunk]] = {}
-        self.from_ids: list[bool] = []
+class Watcher(Breaker):
+    """test_resume_live's Breaker, never armed: it observes (never alters) every try, the
+    chunks each backend sent and, for each resumed try, whether it continued from the failed
+    backend's token ids or from its text."""
 
     def reset(self) -> None:
-        self.chunks, self.from_ids = {}, []
+        self.arm(None, None)
 
     def text(self, backend: str) -> str:
         return "".join(c.text for c in self.chunks.get(backend, []))
@@ -81,29 +78,6 @@ class Watcher:
             for c in self.chunks.get(backend, [])
             if c.text or c.token_ids
         )
-
-    @hookimpl
-    def infermux_on_attempt_start(
-        self, request: GenerationRequest, backend_name: str, attempt: int
-    ) -> None:
-        if request.resume is not None:
-            self.from_ids.append(bool(request.resume.token_ids))
-
-    @hookimpl
-    async def infermux_wrap_generate(
-        self,
-        request: GenerationRequest,
-        backend_name: str,
-        call_next: Callable[[GenerationRequest], AsyncIterator[GenerationChunk]],
-    ) -> AsyncIterator[GenerationChunk]:
-        seen = self.chunks.setdefault(backend_name, [])
-        stream = call_next(request)
-        try:
-            async for chunk in stream:
-                seen.append(chunk)
-                yield chunk
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
 
 
 @dataclass
