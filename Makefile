@@ -32,6 +32,8 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	scripts/install_test_services.sh
+	# llama.cpp's sources and corpus of real artifacts (templates, vocabularies), unpacked once.
+	scripts/llamacpp_sources.sh >/dev/null
 	# Trained tiny models, built once per machine and cached keyed on their inputs (docs/testing.md).
 	$(PY) scripts/build_test_artifacts.py
 	# llama.cpp's C++ llama-server, killed mid-stream by tests/reliability/test_real_deaths.py

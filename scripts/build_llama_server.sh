@@ -4,7 +4,7 @@
 # benchmarks/serving_vs_llama_server.py.
 #
 # The sources are the llama.cpp tree vendored in the llama-cpp-python sdist (vendor/llama.cpp),
-# fetched from PyPI when the script runs, so llama-server and infermux's `llamacpp` backend run
+# unpacked once into the cache by scripts/llamacpp_sources.sh, so llama-server and infermux's `llamacpp` backend run
 # the same llama.cpp code. Nothing is fetched from GitHub and nothing is committed.
 #
 # The flags match scripts/install_llamacpp.sh: -march=native (GGML_NATIVE) with no AMX code
@@ -55,11 +55,7 @@ if [[ ! -x "$BINARY" ]]; then
     trap 'rm -rf "$WORK"' EXIT
     started=$SECONDS
     log "building llama-server from llama-cpp-python $VERSION for this CPU -> $CACHE"
-    log "downloading the sdist from PyPI ..."
-    "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK" >&2
-    log "unpacking ..."
-    tar -xzf "$WORK"/llama_cpp_python-"$VERSION".tar.gz -C "$WORK"
-    SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
+    SRC="$(PY="$PY" LLAMACPP_VERSION="$VERSION" scripts/llamacpp_sources.sh | tail -n 1)"
     [[ -f "$SRC/tools/server/CMakeLists.txt" ]] || { log "no llama-server sources in $SRC"; exit 1; }
     GENERATOR=()
     if command -v ninja >/dev/null 2>&1; then GENERATOR=(-G Ninja); fi  # [n/N] progress lines

@@ -60,6 +60,10 @@ def create_backend(config: BackendConfig) -> MLXBackend:
     """Factory registered for kind ``"mlx"``; ``BackendUnavailableError`` without MLX."""
     # Before mlx-lm (and huggingface_hub) is first imported: models are local files only.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Before MLX is first imported: OpenBLAS under its float matmuls on a Linux CPU.
+    from backends.mlx.cpu_blas import use_openblas
+
+    use_openblas()
     available, reason = is_available()
     if not available:
         raise BackendUnavailableError(f"backend {config.name!r}: {reason}")

@@ -42,6 +42,7 @@ from backends.errors import (
     InfermuxError,
     UnsupportedParameterError,
 )
+from backends.mlx.cpu_blas import use_openblas
 from backends.model_loading import load_with_progress, resolve_model_path
 from backends.resume import resumed_output
 from backends.token_ids import as_prompt, detokenized, tokenized
@@ -64,6 +65,13 @@ class MLXOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     #: the CPU (MLX's CPU kernels for half-precision quantized matmuls are very slow),
     #: float16 on a GPU.
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    #: Turn quantized layers (Q4_0/Q4_1/Q8_0 GGUF blocks, MLX 4/8-bit) into float ones in
+    #: ``dtype`` at load. None: on the CPU when OpenBLAS is under MLX (backends/mlx/cpu_blas.py)
+    #: and the float weights take at most ``dequantize_max_mb``: there MLX's quantized CPU
+    #: matmul is ~30x slower in prefill and 2x in decode than OpenBLAS on the float weights.
+    dequantize: bool | None = None
+    #: The float-weight size up to which ``dequantize = None`` dequantizes (MiB).
+    dequantize_max_mb: int = 4096
     #: Prompt tokens per prefill step (cancellation is checked between steps).
     prefill_step_size: int = 512
     #: Keep the last request's KV cache and reuse its common prefix with the next prompt.
@@ -85,6 +93,8 @@ class MLXBackend:
         self.name = config.name
         self.config = config
         self.options = decode_options(config, MLXOptions)
+        # Before MLX is first imported (create_backend does the same): backends/mlx/cpu_blas.py.
+        use_openblas()
         prefix = f"backends.{config.name}.options"
         if self.options.n_ctx is not None and self.options.n_ctx < 16:
             raise ValueError(f"{prefix}.n_ctx: must be at least 16")
@@ -158,6 +168,7 @@ class MLXBackend:
             raise BackendUnavailableError(
                 f"backend {self.name!r}: MLX could not load {path}: {exc}"
             ) from exc
+        self._maybe_dequantize(model, dtype)
         n_ctx = self.options.n_ctx or context_length or 2048
         return MLXRunner(
             model,
@@ -168,6 +179,22 @@ class MLXBackend:
             default_seed=self.options.seed,
             chat=self.options.chat,
         )
+
+    def _maybe_dequantize(self, model: Any, dtype: Any) -> None:
+        """Apply the ``dequantize`` option (see :class:`MLXOptions`) to the loaded model."""
+        import mlx.core as mx
+
+        from backends.mlx.cpu_blas import dense_bytes, dequantize
+
+        wanted = self.options.dequantize
+        size_mb = dense_bytes(model) / 2**20
+        if wanted is None:
+            on_cpu = mx.default_device().type == mx.cpu
+            wanted = on_cpu and use_openblas() is not None and size_mb <= self.options.dequantize_max_mb
+        if wanted:
+            count = dequantize(model, dtype)
+            if count:
+                logger.info("backend %s: %d quantized layers made float (%.0f MiB)", self.name, count, size_mb)
 
     def model_info(self) -> ModelInfo:
         """The file/directory name, the context length in use and the model's chat template."""
