@@ -122,13 +122,13 @@ def dense_bytes(model: Any) -> int:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    total = 0
+    leaves: Any = tree_flatten(model.parameters())
+    total = sum(int(value.nbytes) for _, value in leaves)
     for _, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             rows, packed = module.weight.shape
-            total += rows * packed * (32 // module.bits) * 4
-        elif not module.children():
-            total += sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+            extra = sum(int(getattr(module, name).nbytes) for name in ("weight", "scales", "biases") if name in module)
+            total += rows * packed * (32 // module.bits) * 4 - extra
     return total
 
 
