@@ -52,6 +52,7 @@ from backends.errors import (
 from backends.model_loading import load_with_progress, resolve_model_path
 from backends.prefix_cache import CacheEvents, PrefixCacheIndex
 from backends.resume import resumed_output, resumed_prompt
+from backends.threads import default_num_threads
 from backends.token_ids import as_prompt, detokenized, tokenized
 from core_engine.chat.formats import ChatFormat
 from core_engine.chat.template import ChatTemplate, ChatTemplateError
@@ -123,7 +124,8 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     max_num_seqs: int = 128
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    num_threads: int | None = 2
+    #: Torch threads (default: backends/threads.py, ``INFERMUX_NUM_THREADS`` or 2; None: torch's own).
+    num_threads: int | None = msgspec.field(default_factory=default_num_threads)
     #: Seed for requests that send none (None: nondeterministic).
     seed: int | None = None
     #: ``model_info().id`` (default: the file name without ``.gguf``).

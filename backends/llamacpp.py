@@ -58,6 +58,7 @@ from backends.errors import (
 )
 from backends.model_loading import load_with_progress, resolve_model_path
 from backends.resume import resumed_output, resumed_prompt
+from backends.threads import default_num_threads
 from backends.token_ids import as_prompt, detokenized, tokenized
 from core_engine.chat.template import ChatTemplateError
 from core_engine.policy import EnginePolicies, SpeculationMethod
@@ -105,7 +106,8 @@ class LlamaCppOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     #: and V in every layer) would take more than 1/8 of the machine's physical memory: the
     #: most that fits in that 1/8, and at least 1.
     parallel: int | None = None
-    n_threads: int = 2
+    #: Threads of decode (default: backends/threads.py, ``INFERMUX_NUM_THREADS`` or 2).
+    n_threads: int = msgspec.field(default_factory=default_num_threads)
     n_threads_batch: int | None = None
     #: Most tokens in one ``llama_decode`` (prompt chunks plus one per generating request);
     #: raised to ``parallel`` if below.

@@ -30,6 +30,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from backends.threads import default_num_threads
+
 __all__ = ["dense_bytes", "dequantize", "use_openblas"]
 
 logger = logging.getLogger(__name__)
@@ -110,10 +112,14 @@ def use_openblas() -> str | None:
                     return None
                 partial.replace(target)
         ctypes.CDLL(str(target), mode=ctypes.RTLD_GLOBAL)
+        # As many threads as the engine's share of the cores (backends/threads.py): OpenBLAS's
+        # own default, every core, fights the other engines' threads.
+        openblas = ctypes.CDLL(str(library))
+        openblas.scipy_openblas_set_num_threads64_(ctypes.c_int(default_num_threads()))
     except OSError as exc:
         logger.warning("MLX on the CPU: could not load OpenBLAS (%s), the reference BLAS stays", exc)
         return None
-    logger.info("MLX on the CPU: float matmuls through OpenBLAS (%s)", library.name)
+    logger.info("MLX on the CPU: float matmuls through OpenBLAS (%s, %d threads)", library.name, default_num_threads())
     return library.name
 
 

@@ -24,6 +24,7 @@ from backends.base import BackendConfig, GenerationRequest, SamplingParams
 from backends.default_model import default_model_path
 from backends.mlx import create_backend
 from backends.mlx.gguf_loader import load_gguf_model
+from backends.threads import default_num_threads
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def _tokens() -> list[int]:
 
 def _llamacpp_logits(tokens: list[int], **kwargs: int) -> np.ndarray:
     llm = llama_cpp.Llama(
-        str(default_model_path()), n_ctx=512, n_threads=2, logits_all=True, verbose=False, **kwargs
+        str(default_model_path()), n_ctx=512, n_threads=default_num_threads(), logits_all=True, verbose=False, **kwargs
     )
     try:
         llm.eval(tokens)

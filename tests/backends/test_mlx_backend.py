@@ -284,12 +284,15 @@ async def test_structured_outputs_constrain_mlx_with_the_same_masks(backend: MLX
 
     from tests.core_engine.structured_schemas import SCHEMAS
 
-    # Every schema of the suite, as on the core engine and llama.cpp. MLX's CPU build runs
-    # ~0.1 s a token here, so the JSON is compact (vLLM's disable_any_whitespace: the same
-    # masks, no tokens spent on whitespace between items).
+    # Every third schema of the suite (each feature of the shared compiler, which the core
+    # engine and llama.cpp tests run on all of them: MLX applies the same masks). MLX's CPU
+    # build decodes ~75 ms a token here, so the JSON is compact (vLLM's
+    # disable_any_whitespace: the same masks, no tokens spent on whitespace between items).
     assert len(SCHEMAS) >= 30
     cut: list[str] = []
     for i, (name, what, schema) in enumerate(SCHEMAS):
+        if i % 3:
+            continue
         request = msgspec.structs.replace(
             _chat(f"Reply with {what} as JSON.", max_tokens=96, temperature=0.7, seed=i),
             structured_outputs={"json": schema, "disable_any_whitespace": True, "param": "response_format"},
@@ -299,7 +302,7 @@ async def test_structured_outputs_constrain_mlx_with_the_same_masks(backend: MLX
             cut.append(name)  # cut by max_tokens: reported, not validated
             continue
         jsonschema.validate(json.loads(_text(chunks)), schema)
-    assert len(cut) <= 3, cut  # every output that ended validated; as on the other backends, nearly all ended
+    assert len(cut) <= 1, cut  # every output that ended validated; as on the other backends, nearly all ended
     regex = msgspec.structs.replace(
         _completion("Code:", max_tokens=12, temperature=1.0, seed=3),
         structured_outputs={"regex": "[A-Z]{2}[0-9]{3}", "param": "guided_regex"},

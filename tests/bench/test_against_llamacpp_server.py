@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from backends.default_model import default_model_path
+from backends.threads import default_num_threads
 from gateway.bench import BenchConfig, Target, WorkloadSpec, run_benchmark
 
 
@@ -33,7 +34,7 @@ def llamacpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             sys.executable, "-m", "llama_cpp.server",
             "--model", str(default_model_path()),
             "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", "2", "--n_ctx", "2048",
+            "--n_threads", str(default_num_threads()), "--n_ctx", "2048",
             # By default a new request interrupts the running one: a benchmark must not.
             "--interrupt_requests", "False",
         ],

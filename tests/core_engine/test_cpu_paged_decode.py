@@ -158,7 +158,7 @@ def engines() -> tuple[LLMEngine, LLMEngine]:
     weights on the torch path (``INFERMUX_KERNELS=torch``); the chunk budget makes prompts
     prefill over several steps while others decode. Dense fp32 weights: the block formats'
     8-bit activations would turn the two paths' ~1e-7 differences into the odd near-tie flip."""
-    cpp = make_engine(default_model_path(), weight_format="dense", max_num_batched_tokens=32, num_threads=2)
+    cpp = make_engine(default_model_path(), weight_format="dense", max_num_batched_tokens=32)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("INFERMUX_KERNELS", "torch")
         torch_path = engine_like(cpp)

@@ -33,7 +33,7 @@ def chat(text: str) -> str:
 def engine() -> LLMEngine:
     from backends.default_model import default_model_path
 
-    return make_engine(Path(default_model_path()), dtype="auto", weight_format="auto", num_threads=2)
+    return make_engine(Path(default_model_path()), dtype="auto", weight_format="auto")
 
 
 def test_every_schema_output_validates(engine: LLMEngine) -> None:
@@ -136,7 +136,7 @@ def test_constrained_and_unconstrained_rows_share_a_batch_and_speculation_skips_
     from backends.default_model import default_model_path
     from core_engine.config import SpeculationConfig
 
-    spec = make_engine(Path(default_model_path()), dtype="auto", weight_format="auto", num_threads=2,
+    spec = make_engine(Path(default_model_path()), dtype="auto", weight_format="auto",
                        speculation=SpeculationConfig(methods=("ngram",)))
     text = chat("Count: one two three one two three one two three")
     params = {

@@ -43,12 +43,12 @@ GREEDY = {"temperature": 0}
 @pytest.fixture(scope="module")
 def gw(live_gateway: Any) -> Iterator[LiveGateway]:
     config = gateway_config(
-        BackendConfig(name="core", kind="core_engine", options={"num_threads": 2, "kv_cache_memory_mb": 64}),
+        BackendConfig(name="core", kind="core_engine", options={"kv_cache_memory_mb": 64}),
         BackendConfig(name="llamacpp", kind="llamacpp", options={"n_ctx": 1024, "parallel": 2}),
         # A small KV cache, which a few long prompts fill: for cache_control pins. float32 on
         # every CPU (bf16 where the CPU has it would hold twice the blocks in the same memory).
         BackendConfig(
-            name="small-kv", kind="core_engine", options={"num_threads": 2, "kv_cache_memory_mb": 32, "dtype": "float32"}
+            name="small-kv", kind="core_engine", options={"kv_cache_memory_mb": 32, "dtype": "float32"}
         ),
         models={name: [name] for name in (*BACKENDS, "small-kv")},
         auth=AuthConfig(keys=[ApiKeyConfig(id="test", key_sha256=hashlib.sha256(KEY.encode()).hexdigest())]),

@@ -46,7 +46,7 @@ def gw(live_gateway: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         # </think>, leaving no answer to check.
         BackendConfig(
             name="core", kind="core_engine",
-            options={"num_threads": 2, "kv_cache_memory_mb": 64, "chat": chat, "dtype": "float32"},
+            options={"kv_cache_memory_mb": 64, "chat": chat, "dtype": "float32"},
         ),
         BackendConfig(name="llamacpp", kind="llamacpp", options={"n_ctx": 1024, "parallel": 2, "chat": chat}),
         models={name: [name] for name in BACKENDS},

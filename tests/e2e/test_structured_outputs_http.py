@@ -30,7 +30,7 @@ class City(BaseModel):
 @pytest.fixture(scope="module")
 def gw(live_gateway: Any) -> Iterator[LiveGateway]:
     config = gateway_config(
-        BackendConfig(name="core", kind="core_engine", options={"num_threads": 2, "kv_cache_memory_mb": 128}),
+        BackendConfig(name="core", kind="core_engine", options={"kv_cache_memory_mb": 128}),
         models={"core": ["core"]},
     )
     with live_gateway(config) as gateway:

@@ -72,7 +72,7 @@ def _backend(name: str, kind: str, **options: Any) -> BackendConfig:
 @pytest.fixture(scope="module")
 def gw(live_gateway: Any) -> Iterator[LiveGateway]:
     config = gateway_config(
-        _backend("core", "core_engine", num_threads=2, kv_cache_memory_mb=128),
+        _backend("core", "core_engine", kv_cache_memory_mb=128),
         _backend("llamacpp", "llamacpp", n_ctx=2048, parallel=2),
         _backend("mlx", "mlx", n_ctx=2048),
         models={name: [name] for name in BACKENDS},

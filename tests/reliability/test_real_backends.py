@@ -37,12 +37,12 @@ LLAMA_CTX = 256
 @pytest.fixture(scope="module")
 def recorded(live_gateway: Any) -> Iterator[tuple[LiveGateway, Any]]:
     pm, recorder = recording_plugins()
-    llama = {"n_ctx": LLAMA_CTX, "n_threads": 2}
+    llama = {"n_ctx": LLAMA_CTX}
     config = gateway_config(
         BackendConfig(
             name="core",
             kind="core_engine",
-            options={"kv_cache_memory_mb": KV_CACHE_MB, "num_threads": 2, "max_num_seqs": 8},
+            options={"kv_cache_memory_mb": KV_CACHE_MB, "max_num_seqs": 8},
         ),
         BackendConfig(name="llama", kind="llamacpp", options=llama),
         BackendConfig(name="llama_short", kind="llamacpp", options=llama, total_timeout=0.5),

@@ -233,7 +233,7 @@ def test_ready_and_metrics_say_when_a_worker_is_down(
 def llama_gateway(live_gateway: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     ledger = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
     config = gateway_config(
-        BackendConfig(name="llama", kind="llamacpp", options={"n_ctx": 512, "n_threads": 2}),
+        BackendConfig(name="llama", kind="llamacpp", options={"n_ctx": 512}),
         models={"llama": ["llama"]},
     )
     with live_gateway(with_ledger(config, ledger)) as gw:
