@@ -134,6 +134,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: Chat messages are rendered with the template's assistant prefix (tokenize may ask
     #: for the messages alone).
     add_generation_prompt: bool = True
+    #: vLLM's ``chat_template_kwargs``: extra variables for the chat template, as sent
+    #: (plain JSON, e.g. ``{"enable_thinking": false}``; never a variable the renderer sets,
+    #: the gateway checks). Native backends pass them to the template's render.
+    chat_template_kwargs: dict[str, Any] = {}
     params: SamplingParams = SamplingParams()
     stream: bool = False
     choice_index: int = 0

@@ -3,7 +3,8 @@
 The core engine, llama.cpp and MLX backends all serve chat the same way, from here:
 
 1. the messages and the offered tools are rendered through the model's template
-   (:func:`core_engine.chat.prompt.render_chat`; ``tool_choice = "none"`` offers none);
+   (:func:`core_engine.chat.prompt.render_chat`; ``tool_choice = "none"`` offers none), with
+   the request's ``chat_template_kwargs`` as extra template variables;
 2. ``tool_choice = "required"`` or a named function becomes a grammar constraint
    (:func:`core_engine.chat.tool_grammar.tool_call_grammar`, errors naming ``tool_choice``);
 3. a reasoning template with a budget gets :class:`~core_engine.chat.budget.ThinkingParams`
@@ -158,6 +159,7 @@ def plan_chat(request: GenerationRequest, template: ChatTemplate, fmt: ChatForma
             message_dicts(request.messages),
             tools=offered,
             add_generation_prompt=request.add_generation_prompt,
+            template_kwargs=request.chat_template_kwargs,
         )
     except ChatTemplateError as exc:
         raise InvalidRequestError(str(exc), param="messages") from exc
@@ -196,7 +198,14 @@ def pinned_prefixes(request: GenerationRequest, template: ChatTemplate, fmt: Cha
     out = []
     for pin in request.prefix_pins:
         try:
-            rendered = render_chat(template, fmt, messages[: pin.num_messages], tools=offered, add_generation_prompt=False)
+            rendered = render_chat(
+                template,
+                fmt,
+                messages[: pin.num_messages],
+                tools=offered,
+                add_generation_prompt=False,
+                template_kwargs=request.chat_template_kwargs,
+            )
         except ChatTemplateError:
             continue  # a template that cannot end on this message: nothing to pin
         out.append((rendered.text, pin.ttl_s))

@@ -119,18 +119,24 @@ def render_chat(
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> RenderedChat:
     """The prompt text of ``messages`` (``tools``: OpenAI tool objects to offer, or None);
     without ``add_generation_prompt``, a prefix of the conversation (cache pins, and
-    ``POST /tokenize`` with ``add_generation_prompt = false``)."""
+    ``POST /tokenize`` with ``add_generation_prompt = false``). ``template_kwargs``: extra
+    template variables (a request's ``chat_template_kwargs``, e.g. ``enable_thinking``);
+    ``ChatTemplateError`` when one is a variable the renderer sets itself."""
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    extra = dict(template_kwargs or {})
     if fmt.native_tools:
-        extra = {"tools": [dict(t) for t in tools]} if tools else {}
-        text = template.render(_native(messages), add_generation_prompt=add_generation_prompt, **extra)
+        offered = [dict(t) for t in tools] if tools else None
+        text = template.render(
+            _native(messages), add_generation_prompt=add_generation_prompt, tools=offered, **extra
+        )
     elif tools or has_tool_turns:
-        text = template.render(_fallback(messages, tools), add_generation_prompt=add_generation_prompt)
+        text = template.render(_fallback(messages, tools), add_generation_prompt=add_generation_prompt, **extra)
     else:
-        text = template.render([dict(m) for m in messages], add_generation_prompt=add_generation_prompt)
+        text = template.render([dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **extra)
     markers = fmt.reasoning_markers
     reasoning_open = markers is not None and text.rstrip().endswith(markers[0])
     return RenderedChat(text=text, reasoning_open=reasoning_open)

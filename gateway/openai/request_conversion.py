@@ -22,6 +22,7 @@ from gateway.openai.structured_outputs import structured_outputs_of
 from gateway.openai.tools import OfferedTool, check_named_choice, check_tools
 
 __all__ = [
+    "RESERVED_TEMPLATE_KWARGS",
     "SMUGGLING_FIELDS",
     "RequestContext",
     "check_smuggled_fields",
@@ -32,8 +33,27 @@ __all__ = [
 ]
 
 #: Fields that would let a request redirect the gateway or reprogram the model's template.
-SMUGGLING_FIELDS = frozenset(
-    {"api_base", "base_url", "api_key", "api_version", "chat_template", "chat_template_kwargs"}
+#: (``chat_template_kwargs``, plain variables for the model's own template, is accepted on
+#: chat completions: see :data:`RESERVED_TEMPLATE_KWARGS`.)
+SMUGGLING_FIELDS = frozenset({"api_base", "base_url", "api_key", "api_version", "chat_template"})
+
+#: ``chat_template_kwargs`` keys a request may not send: the variables the server sets
+#: itself (the conversation, the offered tools, the special tokens) and the functions
+#: templates call. The same names as core_engine.chat.template.RESERVED_TEMPLATE_VARIABLES
+#: (the gateway does not import the engine; a test keeps the two equal).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+        "strftime_now",
+        "namespace",
+        "dict",
+    }
 )
 
 # "developer" is OpenAI's newer name for "system"; chat templates know "system".
@@ -157,11 +177,13 @@ def chat_generation_requests(
                 param="continue_final_message",
             )
         messages = messages[:-1]
+    template_kwargs = _template_kwargs(body.chat_template_kwargs)
     template = GenerationRequest(
         request_id=request_id,
         model=body.model,
         kind="chat",
         messages=messages,
+        chat_template_kwargs=template_kwargs,
         params=params,
         stream=bool(body.stream),
         user=body.user,
@@ -179,6 +201,22 @@ def chat_generation_requests(
         resume=resume,
     )
     return _fan_out([template], n, request_id)
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: extra variables for the model's own template (the
+    decoder checked it is a JSON object); 400 for a variable the server sets itself."""
+    if not kwargs:
+        return {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise InvalidRequestError(
+            f"chat_template_kwargs cannot set {', '.join(repr(k) for k in reserved)}: the server sets "
+            "these template variables itself (send messages, tools and add_generation_prompt as "
+            "request fields)",
+            param="chat_template_kwargs",
+        )
+    return dict(kwargs)
 
 
 def _continued_message(body: ChatCompletionRequest, messages: tuple[ChatMessage, ...]) -> ResumeState | None:

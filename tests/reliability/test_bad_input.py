@@ -610,7 +610,7 @@ def internal_service() -> Iterator[UpstreamServer]:
 
 @pytest.mark.parametrize(
     "field",
-    ["api_base", "base_url", "api_key", "api_version", "chat_template", "chat_template_kwargs"],
+    ["api_base", "base_url", "api_key", "api_version", "chat_template"],
 )
 def test_smuggled_fields_are_refused_and_nothing_is_fetched(
     http: httpx.Client, internal_service: UpstreamServer, field: str
@@ -618,14 +618,24 @@ def test_smuggled_fields_are_refused_and_nothing_is_fetched(
     value: Any = internal_service.base_url
     if field == "chat_template":
         value = "{{ cycler.__init__.__globals__.os.popen('id').read() }}"
-    elif field == "chat_template_kwargs":
-        value = {"url": internal_service.base_url}
     for path, body in (
         ("/v1/chat/completions", chat_body(**{field: value})),
         ("/v1/completions", {"model": "echo", "prompt": "x", field: value}),
     ):
         error = envelope(http.post(path, json=body), 400)
         assert error["param"] == field
+    assert internal_service.requests == []
+
+
+def test_template_variables_are_data_and_fetch_nothing(
+    http: httpx.Client, internal_service: UpstreamServer
+) -> None:
+    # chat_template_kwargs (vLLM's field) fills the model's own template's variables: a URL
+    # there is a string, never a request; names the server sets are refused.
+    body = chat_body(chat_template_kwargs={"url": internal_service.base_url, "enable_thinking": False})
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    reserved = chat_body(chat_template_kwargs={"messages": []})
+    assert envelope(http.post("/v1/chat/completions", json=reserved), 400)["param"] == "chat_template_kwargs"
     assert internal_service.requests == []
 
 

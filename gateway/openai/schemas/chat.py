@@ -2,6 +2,7 @@
 
 Unknown request fields are ignored, as OpenAI does, except the ones that try to redirect
 or reprogram the backend (``api_base``, ``chat_template``...), which the controller rejects.
+``chat_template_kwargs`` (plain variables for the model's own template) is accepted.
 Type and range errors become 400s naming the field (``messages[0].role``).
 """
 
@@ -156,6 +157,9 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False)
     #: needs ``add_generation_prompt`` false (its default, None, is true), as in vLLM.
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    #: vLLM's extension: extra variables for the model's chat template (a JSON object, e.g.
+    #: ``{"enable_thinking": false}``); checked in gateway/openai/request_conversion.py.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ChatTopLogprob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
