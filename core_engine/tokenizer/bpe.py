@@ -16,13 +16,19 @@ from typing import Any
 from core_engine.chat.template import FALLBACK_CHATML_TEMPLATE, ChatTemplate
 from core_engine.tokenizer.byte_level import decode_token_text, encode_bytes
 from core_engine.tokenizer.end_of_generation import END_OF_GENERATION_TEXTS
-from core_engine.tokenizer.pre_tokenizer import PreTokenizer, pre_tokenizer_type
+from core_engine.tokenizer.pre_tokenizer import (
+    SPM_STYLE_PRE_TOKENIZER,
+    PreTokenizer,
+    pre_tokenizer_type,
+)
 
 __all__ = ["TokenType", "Tokenizer", "TokenizerError"]
 
 # Token texts llama.cpp treats as end-of-generation whatever the metadata says.
 _EOG_TEXTS = END_OF_GENERATION_TEXTS
 _MAX_CACHED_WORDS = 200_000
+_SPACE = "\u2581"  # SentencePiece's visible space (Gemma 4's BPE)
+_C_SPACE = " \t\n\v\f\r"  # C's isspace()
 
 
 def metadata_token_id(metadata: Mapping[str, Any], key: str, vocab_size: int, default: int | None) -> int | None:
@@ -32,6 +38,16 @@ def metadata_token_id(metadata: Mapping[str, Any], key: str, vocab_size: int, de
     if value is None or not 0 <= int(value) < vocab_size:
         return default
     return int(value)
+
+
+def byte_fallback_piece(text: str) -> bytes:
+    """The byte a ``<0xXX>`` entry stands for (llama.cpp's ``token_to_byte``)."""
+    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        try:
+            return bytes([int(text[3:5], 16)])
+        except ValueError:
+            pass
+    return b""
 
 
 class TokenizerError(ValueError):
@@ -71,6 +87,11 @@ class Tokenizer:
     ) -> None:
         kind, self._ignore_merges, default_add_bos = pre_tokenizer_type(pre)
         self._pre_tokenizer = PreTokenizer(kind)
+        # Gemma 4's BPE: merges over raw UTF-8 with spaces as "▁" (not GPT-2's byte alphabet),
+        # "<0xXX>" byte fallback, llama.cpp's escape_whitespaces / byte_encode = false.
+        self._spm_style = kind == SPM_STYLE_PRE_TOKENIZER
+        if self._spm_style:
+            add_bos = True  # llama.cpp overrides add_bos_token = false for Gemma 4
         self.pre = pre
         # llama.cpp renames empty entries so every id has a distinct text.
         self._id_to_text = [text or f"[EMPTY_{i}]" for i, text in enumerate(tokens)]
@@ -92,15 +113,8 @@ class Tokenizer:
         self.add_bos = default_add_bos if add_bos is None else add_bos
         self.add_eos = add_eos
         self.chat_template = chat_template
-        # Tokens whose text looks like an end-of-turn marker are control tokens (llama.cpp too).
-        eog = {i for i in (eos_token_id, eot_token_id, eom_token_id) if i is not None}
-        for text in _EOG_TEXTS:
-            token_id = self._text_to_id.get(text)
-            if token_id is not None:
-                eog.add(token_id)
-                if types[token_id] != TokenType.CONTROL:
-                    types[token_id] = TokenType.CONTROL
         self._types = types
+        eog = self._end_of_generation_ids(eos_token_id, eot_token_id, eom_token_id)
         self.stop_token_ids: frozenset[int] = frozenset(eog)
         # Special tokens are matched longest first, as in llama.cpp's tokenizer_st_partition.
         self._special_ids = sorted(
@@ -108,7 +122,62 @@ class Tokenizer:
             key=lambda i: -len(self._id_to_text[i]),
         )
         self._pieces = [self._piece(i) for i in range(len(tokens))]
+        # Special tokens that swallow the whitespace before (lstrip) or after (rstrip) them.
+        self._lstrip_ids: frozenset[int] = frozenset()
+        self._rstrip_ids: frozenset[int] = frozenset()
         self._word_cache: dict[str, tuple[int, ...]] = {}
+
+    def _end_of_generation_ids(self, *ids: int | None) -> set[int]:
+        """The ids that end generation, adjusting ``self._types`` as llama.cpp's loader does:
+        a token whose text is an end-of-turn marker is a control token (so never matched in
+        ordinary text, even when the file types it user-defined, e.g. Phi-3's ``</s>``);
+        gpt-oss's channel markers are user-defined; ``<|end|>`` next to ``<|return|>`` and
+        ``<|call|>`` (harmony) and ``</s>`` next to ``<|tool_response>`` (Gemma 4) are not
+        end-of-generation markers but ordinary (user-defined, normal) tokens."""
+        types, text_to_id = self._types, self._text_to_id
+        eog: set[int] = set()
+        for text in _EOG_TEXTS:
+            token_id = text_to_id.get(text)
+            if token_id is not None:
+                eog.add(token_id)
+                types[token_id] = TokenType.CONTROL
+        for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
+            token_id = text_to_id.get(text)
+            if token_id is not None:
+                types[token_id] = TokenType.USER_DEFINED
+        eog.update(i for i in ids if i is not None)
+        eog_texts = {self._id_to_text[i] for i in eog}
+        end_id = text_to_id.get("<|end|>")
+        has_call = bool(eog_texts & {"<|call|>", "<|calls|>"})
+        if end_id in eog and has_call and eog_texts & {"<|return|>", "<|flush|>"}:
+            eog.discard(end_id)
+            types[end_id] = TokenType.USER_DEFINED
+        s_id = text_to_id.get("</s>")
+        if s_id in eog and eog_texts & {"<|tool_response>", "<|plamo:eos|>"}:
+            eog.discard(s_id)
+            types[s_id] = TokenType.NORMAL
+        return eog
+
+    def _set_strip_attributes(self, metadata: Mapping[str, Any]) -> None:
+        """llama.cpp's per-model whitespace stripping around special tokens, decided by
+        ``general.name`` / ``tokenizer.ggml.pre`` / ``general.architecture`` as its loader does:
+        ``<mask>`` strips on its left for Jina v2 and nomic-bert-moe; Phi-3's special tokens
+        strip on their right, except ``<unk>``, ``<s>`` and ``<|endoftext|>``."""
+        name = str(metadata.get("general.name") or "").lower()
+        pre = str(metadata.get("tokenizer.ggml.pre") or "")
+        arch = str(metadata.get("general.architecture") or "")
+        text_to_id = self._text_to_id
+        if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or any(
+            a in arch for a in ("nomic-bert-moe", "jina-bert-v3")
+        ):
+            mask = text_to_id.get("<mask>")
+            self._lstrip_ids = frozenset(() if mask is None else (mask,))
+        elif "phi-3" in name or "phi3" in name:
+            keep = {text_to_id.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")}
+            self._rstrip_ids = frozenset(i for i in self._special_ids if i not in keep)
+        elif "modern-bert" in name:
+            mask = text_to_id.get("[MASK]")
+            self._lstrip_ids = frozenset(() if mask is None else (mask,))
 
     # --- construction -------------------------------------------------------------------------
 
@@ -126,14 +195,17 @@ class Tokenizer:
             return metadata_token_id(metadata, key, len(tokens), default)
 
         add_bos = metadata.get("tokenizer.ggml.add_bos_token")
-        return cls(
+        gemma4 = metadata.get("tokenizer.ggml.model") == "gemma4"
+        # BPE defaults in llama.cpp: bos = eos = 11 unless the file says otherwise ("gemma4":
+        # none, and its pre-tokenizer whatever tokenizer.ggml.pre says).
+        default_id = 11 if len(tokens) > 11 and not gemma4 else None
+        tokenizer = cls(
             tokens,
             merges,
             token_types=metadata.get("tokenizer.ggml.token_type"),
-            pre=metadata.get("tokenizer.ggml.pre"),
-            # BPE defaults in llama.cpp: bos = eos = 11 unless the file says otherwise.
-            bos_token_id=token_id("bos_token_id", 11 if len(tokens) > 11 else None),
-            eos_token_id=token_id("eos_token_id", 11 if len(tokens) > 11 else None),
+            pre=SPM_STYLE_PRE_TOKENIZER if gemma4 else metadata.get("tokenizer.ggml.pre"),
+            bos_token_id=token_id("bos_token_id", default_id),
+            eos_token_id=token_id("eos_token_id", default_id),
             eot_token_id=token_id("eot_token_id", None),
             eom_token_id=token_id("eom_token_id", None),
             pad_token_id=token_id("padding_token_id", None),
@@ -141,6 +213,8 @@ class Tokenizer:
             add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=metadata.get("tokenizer.chat_template"),
         )
+        tokenizer._set_strip_attributes(metadata)
+        return tokenizer
 
     # --- vocabulary ---------------------------------------------------------------------------
 
@@ -212,9 +286,14 @@ class Tokenizer:
                     split.append(fragment)
                     continue
                 parts = fragment.split(special)
+                lstrip, rstrip = token_id in self._lstrip_ids, token_id in self._rstrip_ids
                 for k, part in enumerate(parts):
                     if k:
                         split.append(token_id)
+                        if rstrip:  # llama.cpp's LSTRIP/RSTRIP attributes: C isspace()
+                            part = part.lstrip(_C_SPACE)
+                    if lstrip and k < len(parts) - 1:
+                        part = part.rstrip(_C_SPACE)
                     if part:
                         split.append(part)
             fragments = split
@@ -223,18 +302,21 @@ class Tokenizer:
     def _encode_ordinary(self, text: str) -> list[int]:
         ids: list[int] = []
         cache = self._word_cache
+        if self._spm_style:
+            text = text.replace(" ", _SPACE)
         for word in self._pre_tokenizer.split(text):
             cached = cache.get(word)
             if cached is None:
                 if len(cache) >= _MAX_CACHED_WORDS:
                     cache.clear()
-                cached = cache[word] = tuple(self._encode_word(encode_bytes(word)))
+                cached = cache[word] = tuple(self._encode_word(word if self._spm_style else encode_bytes(word)))
             ids.extend(cached)
         return ids
 
     def _encode_word(self, word: str) -> list[int]:
         """BPE over one pre-tokenized word already spelled in the byte-level alphabet."""
-        if self._ignore_merges:
+        if self._ignore_merges or (self._spm_style and not word.strip("\n")):
+            # Gemma 4: a run of newlines is one token where the vocabulary has it (llama.cpp).
             whole = self._text_to_id.get(word)
             if whole is not None:
                 return [whole]
@@ -279,9 +361,13 @@ class Tokenizer:
             if token_id is not None:
                 ids.append(token_id)
                 continue
-            # Not in the vocabulary: llama.cpp falls back to single-byte entries that exist.
+            # Not in the vocabulary: llama.cpp falls back to single-byte entries that exist
+            # ("<0xXX>" ones for Gemma 4; else the raw byte as text, only ASCII can match).
             for byte in symbol.encode("utf-8"):
-                byte_id = self._text_to_id.get(chr(byte)) if byte < 0x80 else None
+                if self._spm_style:
+                    byte_id = self._text_to_id.get(f"<0x{byte:02X}>")
+                else:
+                    byte_id = self._text_to_id.get(chr(byte)) if byte < 0x80 else None
                 if byte_id is not None:
                     ids.append(byte_id)
         return ids
@@ -292,10 +378,12 @@ class Tokenizer:
         token_type = self._types[token_id]
         text = self._id_to_text[token_id]
         if token_type == TokenType.NORMAL:
-            return decode_token_text(text)
+            return text.replace(_SPACE, " ").encode("utf-8") if self._spm_style else decode_token_text(text)
         if token_type in (TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.UNKNOWN):
             return text.encode("utf-8")
-        return b""  # byte/unused/undefined entries render as nothing in llama.cpp's BPE
+        if token_type == TokenType.BYTE:  # SentencePiece-style "<0xXX>" byte fallback entry
+            return byte_fallback_piece(text)
+        return b""  # unused/undefined entries render as nothing in llama.cpp
 
     def token_to_bytes(self, token_id: int, *, skip_special: bool = True) -> bytes:
         """Bytes ``token_id`` stands for (may be part of a UTF-8 character)."""

@@ -15,7 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from core_engine.tokenizer.bpe import Tokenizer, TokenizerError, TokenType, metadata_token_id
+from core_engine.tokenizer.bpe import (
+    Tokenizer,
+    TokenizerError,
+    TokenType,
+    byte_fallback_piece,
+    metadata_token_id,
+)
 
 __all__ = ["SentencePieceTokenizer"]
 
@@ -32,12 +38,18 @@ class SentencePieceTokenizer(Tokenizer):
         *,
         token_types: Sequence[int] | None = None,
         add_space_prefix: bool = True,
+        unknown_token_id: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(tokens, [], token_types=token_types, **kwargs)
         if len(scores) != len(tokens):
             raise TokenizerError(f"{len(scores)} token scores for {len(tokens)} tokens")
+        if unknown_token_id is not None and not 0 <= unknown_token_id < len(tokens):
+            raise TokenizerError(f"unknown_token_id {unknown_token_id} is outside the vocabulary")
         self.add_space_prefix = add_space_prefix
+        if unknown_token_id is None:  # the first piece typed unknown, if any
+            unknown_token_id = next((i for i, t in enumerate(self._types) if t == TokenType.UNKNOWN), None)
+        self.unknown_token_id = unknown_token_id
         self._load_segmenter(scores)
 
     def _load_segmenter(self, scores: Sequence[float]) -> None:
@@ -53,18 +65,21 @@ class SentencePieceTokenizer(Tokenizer):
         proto.normalizer_spec.remove_extra_whitespaces = False
         proto.normalizer_spec.escape_whitespaces = True
         kinds = sentencepiece_model_pb2.ModelProto.SentencePiece
+        if self.unknown_token_id is None:
+            raise TokenizerError("SentencePiece vocabulary has no unknown token")
         for i, (text, score) in enumerate(zip(self._id_to_text, scores, strict=True)):
             piece = proto.pieces.add()
             piece.piece = text
             piece.score = float(score)
             token_type = self._types[i]
-            # Special texts never reach the segmenter (split out before): keep them out of it.
-            piece.type = {
-                TokenType.UNKNOWN: kinds.UNKNOWN, TokenType.CONTROL: kinds.CONTROL, TokenType.BYTE: kinds.BYTE,
+            # The unknown piece is the one tokenizer.ggml.unknown_token_id names, whatever its
+            # type (converters write Phi-3's <unk> as a control token and its [PAD…] pieces as
+            # unknown ones): sentencepiece wants exactly one. Special texts never reach the
+            # segmenter (split out before): keep them out of it.
+            piece.type = kinds.UNKNOWN if i == self.unknown_token_id else {
+                TokenType.UNKNOWN: kinds.CONTROL, TokenType.CONTROL: kinds.CONTROL, TokenType.BYTE: kinds.BYTE,
                 TokenType.USER_DEFINED: kinds.CONTROL, TokenType.UNUSED: kinds.UNUSED,
             }.get(TokenType(token_type), kinds.NORMAL)
-        if not any(p.type == kinds.UNKNOWN for p in proto.pieces):
-            raise TokenizerError("SentencePiece vocabulary has no unknown token")
         self._processor = sentencepiece.SentencePieceProcessor()
         try:
             self._processor.LoadFromSerializedProto(proto.SerializeToString())
@@ -91,11 +106,12 @@ class SentencePieceTokenizer(Tokenizer):
     def from_spm_metadata(cls, metadata: Mapping[str, Any]) -> SentencePieceTokenizer:
         tokens, scores, token_id = cls.scored_vocabulary(metadata)
         add_bos = metadata.get("tokenizer.ggml.add_bos_token")
-        return cls(
+        tokenizer = cls(
             tokens,
             scores,
             token_types=metadata.get("tokenizer.ggml.token_type"),
-            # SPM defaults in llama.cpp: bos 1, eos 2, BOS added.
+            # SPM defaults in llama.cpp: unk 0, bos 1, eos 2, BOS added.
+            unknown_token_id=token_id("unknown_token_id", 0),
             bos_token_id=token_id("bos_token_id", 1),
             eos_token_id=token_id("eos_token_id", 2),
             eot_token_id=token_id("eot_token_id", None),
@@ -106,6 +122,8 @@ class SentencePieceTokenizer(Tokenizer):
             add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
             chat_template=metadata.get("tokenizer.chat_template"),
         )
+        tokenizer._set_strip_attributes(metadata)
+        return tokenizer
 
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text``; equal to llama.cpp's ``llama_tokenize(text, add_special,
@@ -132,8 +150,8 @@ class SentencePieceTokenizer(Tokenizer):
         text = self._id_to_text[token_id]
         if token_type == TokenType.NORMAL:
             return text.replace(_SPACE, " ").encode("utf-8")
-        if token_type == TokenType.BYTE and len(text) == 6 and text.startswith("<0x"):
-            return bytes([int(text[3:5], 16)])
+        if token_type == TokenType.BYTE:
+            return byte_fallback_piece(text)
         if token_type in (TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.UNKNOWN):
             return text.encode("utf-8")
         return b""

@@ -60,7 +60,7 @@ class UnigramTokenizer(SentencePieceTokenizer):
         # llama.cpp builds its matcher before it turns end-of-turn texts into control tokens:
         # a user-defined <|im_end|> stays matchable, and unnormalised, in ordinary text.
         self._file_types = list(token_types) if token_types is not None else [TokenType.NORMAL] * len(tokens)
-        super().__init__(tokens, scores, token_types=token_types, **kwargs)
+        super().__init__(tokens, scores, token_types=token_types, unknown_token_id=unknown_token_id, **kwargs)
 
     @classmethod
     def from_ugm_metadata(cls, metadata: Mapping[str, Any]) -> UnigramTokenizer:
@@ -72,7 +72,7 @@ class UnigramTokenizer(SentencePieceTokenizer):
         assert unknown is not None  # the default is an id
         # A GGUF uint8 or int8 array; the blob is whatever bytes it holds.
         charsmap = bytes(int(b) & 0xFF for b in metadata.get("tokenizer.ggml.precompiled_charsmap") or ())
-        return cls(
+        tokenizer = cls(
             tokens,
             scores,
             token_types=metadata.get("tokenizer.ggml.token_type"),
@@ -90,6 +90,8 @@ class UnigramTokenizer(SentencePieceTokenizer):
             add_eos=bool(add_eos) if add_eos is not None else True,
             chat_template=metadata.get("tokenizer.chat_template"),
         )
+        tokenizer._set_strip_attributes(metadata)
+        return tokenizer
 
     def _load_segmenter(self, scores: Sequence[float]) -> None:
         import sentencepiece
