@@ -1,10 +1,17 @@
-"""``infermux serve [--config FILE] [--host HOST] [--port PORT]``: run the gateway."""
+"""``infermux serve [PATH | --config FILE] [--api-key KEY] [--host HOST] [--port PORT]``: run
+the gateway.
+
+``PATH`` serves one model as peers do (``vllm serve MODEL``, ``llama-server -m FILE``): a
+``.gguf`` file or a Hugging Face checkpoint directory, under its file stem / directory name,
+on the default backends that can load it (:func:`gateway.config.load.model_path_config`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +21,8 @@ import uvicorn
 __all__ = ["add_parser", "run"]
 
 _LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+#: The default of ``--api-key`` (keeps the key off the command line, as ``VLLM_API_KEY``).
+ENV_API_KEY = "INFERMUX_API_KEY"
 
 
 def add_parser(subparsers: Any) -> None:
@@ -21,14 +30,44 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="run the OpenAI-compatible gateway",
-        description="Serve the models of the routing config (default: the embedded "
-        "SmolLM2-135M-Instruct through llama.cpp as alias 'smollm2') on 127.0.0.1:8000.",
+        description="Serve the model at PATH (a .gguf file, or a Hugging Face checkpoint "
+        "directory with config.json, *.safetensors and tokenizer files) under its name, or the "
+        "models of the routing config (default: the embedded SmolLM2-135M-Instruct as alias "
+        "'smollm2'), on 127.0.0.1:8000.",
+    )
+    parser.add_argument(
+        "model_path",
+        nargs="?",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a .gguf file or a Hugging Face checkpoint directory: served as its file stem "
+        "(directory name) on the default backends that can load it (llama.cpp, the core "
+        "engine, MLX when installed; a directory: the core engine and MLX); replaces the "
+        "config ($INFERMUX_CONFIG too)",
     )
     parser.add_argument(
         "--config",
         type=Path,
         default=None,
-        help="routing config (TOML); default: $INFERMUX_CONFIG, else the embedded default",
+        help="routing config (TOML); default: $INFERMUX_CONFIG, else the embedded default "
+        "(not with PATH)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require this API key (Authorization: Bearer KEY; without it: 401); adds to "
+        "the config's [[auth.keys]] as id 'cli'. Default: $INFERMUX_API_KEY. A key on the "
+        "command line is visible to other local users (ps): prefer the variable",
+    )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="serve PATH (or the default model) on this one of its default backends only "
+        "(llamacpp, core_engine, mlx); repeat for several (not with --config)",
     )
     parser.add_argument(
         "--host", default=None, help="listen address (overrides config and $INFERMUX_HOST)"
@@ -59,7 +98,12 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from gateway.app import create_app
-    from gateway.config.load import load_config
+    from gateway.config.load import (
+        ModelPathError,
+        load_config,
+        select_backends,
+        with_api_key,
+    )
     from gateway.config.types import ConfigError
     from gateway.http.auth import check_exposure
     from gateway.http.drain import DrainingServer
@@ -67,8 +111,28 @@ def run(args: argparse.Namespace) -> int:
     from plugins.manager import PluginLoadError
 
     logging.basicConfig(level=args.log_level.upper(), format=_LOG_FORMAT)
+    if args.model_path is not None and args.config is not None:
+        print(
+            f"infermux: serve takes a model PATH ({args.model_path}) or --config "
+            f"({args.config}), not both: name the model in the config's [[backends]], or "
+            "drop --config",
+            file=sys.stderr,
+        )
+        return 2
+    if args.backend and args.config is not None:
+        print(
+            "infermux: --backend picks among the default backends of PATH or of the default "
+            "model, not with --config (list the backends in the config instead)",
+            file=sys.stderr,
+        )
+        return 2
+    api_key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY) or None
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, model_path=args.model_path)
+        if args.backend:
+            config = select_backends(config, args.backend)
+        if api_key is not None:
+            config = with_api_key(config, api_key)
         server_config = config.server
         if args.host is not None:
             server_config = msgspec.structs.replace(server_config, host=args.host)
@@ -81,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
             )
         check_exposure(config)
         app = create_app(config)
+    except ModelPathError as exc:
+        print(f"infermux: cannot serve {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         where = f" in {args.config}" if args.config is not None else ""
         print(f"infermux: config error{where}: {exc}", file=sys.stderr)
