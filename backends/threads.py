@@ -5,11 +5,13 @@ processes it starts (engine workers inherit the environment); without it, 2. It 
 of ``llamacpp``'s ``n_threads``, ``core_engine``'s ``num_threads`` and of the OpenBLAS threads
 under ``mlx`` (backends/mlx/cpu_blas.py); an explicit option still wins.
 
-Why it matters: llama.cpp's and OpenMP's worker threads spin while they wait for each other,
-so engines whose threads together outnumber the cores do not share them, they fight. Measured
-on a 2-core EPYC: two llama.cpp processes decoding 200 tokens at once took 130 s each with 2
-threads apiece and 2.6 s each with 1 (docs/testing.md). Give each engine that runs at the same
-time its share of the cores; the test suite runs two pytest workers with 1 thread each.
+Why it matters: llama.cpp's worker threads spin while they wait for each other, so engines
+whose threads together outnumber the cores do not share them, they fight. Measured on a 2-core
+AMD EPYC: two llama.cpp processes decoding 200 tokens at the same time took 130 s each with 2
+threads apiece and 2.6 s each with 1. Where several engines decode at once on few cores, give
+each its share. (Tried on the test suite, two pytest workers at 1 thread each: slower, not
+faster, e.g. tests/routing/test_resume_live.py 95 s -> 179 s, because the workers are seldom
+both computing; so the suite keeps the default.)
 """
 
 from __future__ import annotations

@@ -19,8 +19,6 @@ directory, never in the working directory's ``var/``.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -36,21 +34,15 @@ pytest_plugins = ["plugins.testing"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Each pytest-xdist worker's engines get its share of the cores (backends/threads.py).
+    """OpenBLAS under MLX (backends/mlx/cpu_blas.py) must be loaded before MLX is imported,
+    and test modules import MLX at collection: the backend does it too late in a test worker."""
+    from backends import mlx as mlx_backend
 
-    llama.cpp's and OpenMP's threads spin while they wait, so two workers whose engines each
-    ran 2 threads on 2 cores fought for them (a 200-token decode: 2.6 s alone per thread,
-    130 s with the other worker's engine spinning). The share goes to the engines this worker
-    starts, in process and in the ``infermux serve`` and engine processes it spawns (they
-    inherit the environment); a test that names its threads keeps them.
-    """
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    share = max(1, len(os.sched_getaffinity(0)) // max(1, workers))
-    os.environ.setdefault("INFERMUX_NUM_THREADS", str(share))
-    os.environ.setdefault("OMP_NUM_THREADS", str(share))
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(share))
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(os.environ["INFERMUX_NUM_THREADS"]))
+    if mlx_backend.is_installed():
+        from backends.mlx.cpu_blas import use_openblas
+
+        use_openblas()
+
 
 
 @pytest.fixture(scope="session")

@@ -89,15 +89,31 @@ async def test_streams_text_token_by_token_with_usage(backend: MLXBackend) -> No
     assert info.chat_template is not None and "<|im_start|>" in info.chat_template
 
 
-async def test_weights_stay_quantized(backend: MLXBackend) -> None:
+async def test_on_the_cpu_weights_are_made_float_for_openblas_or_stay_packed_when_asked(backend: MLXBackend) -> None:
     import mlx.nn as nn
 
+    from backends.mlx.cpu_blas import use_openblas
+
+    # OpenBLAS is under MLX's matmuls (NumPy's wheel has it; tests/conftest.py loads it before
+    # any test module imports MLX), so the Q4_1/Q8_0 layers were made float32 at load.
+    assert use_openblas() is not None
     model = backend._runner.model  # type: ignore[union-attr]
-    attention = model.model.layers[0].self_attn
-    assert isinstance(attention.q_proj, nn.QuantizedLinear)
-    assert (attention.q_proj.bits, attention.q_proj.group_size) == (4, 32)  # Q4_1 blocks
-    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
-    assert model.model.embed_tokens.bits == 8  # the file's Q8_0 token embedding
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert type(model.model.embed_tokens) is nn.Embedding
+    packed = create_backend(BackendConfig(name="p", kind="mlx", options={"n_ctx": 256, "dequantize": False}))
+    await packed.start()
+    try:
+        kept = packed._runner.model  # type: ignore[union-attr]
+        attention = kept.model.layers[0].self_attn
+        assert isinstance(attention.q_proj, nn.QuantizedLinear)
+        assert (attention.q_proj.bits, attention.q_proj.group_size) == (4, 32)  # Q4_1 blocks
+        assert isinstance(kept.model.embed_tokens, nn.QuantizedEmbedding)
+        assert kept.model.embed_tokens.bits == 8  # the file's Q8_0 token embedding
+        # The same weights either way: the same greedy answer.
+        request = _chat("What is the capital of France?", max_tokens=8, temperature=0)
+        assert _text(await _collect(packed, request)) == _text(await _collect(backend, request))
+    finally:
+        await packed.aclose()
 
 
 async def test_same_seed_same_output(backend: MLXBackend) -> None:
