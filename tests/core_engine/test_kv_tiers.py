@@ -386,21 +386,21 @@ def smollm() -> LLMEngine:
 def test_a_working_set_four_times_the_device_pool_is_served_from_host_and_disk(
     smollm: LLMEngine, tmp_path: Path
 ) -> None:
-    prefixes = make_prompts(4, 1024, seed=13, vocab=40000)  # 4 x 64 blocks
+    prefixes = make_prompts(4, 512, seed=13, vocab=40000)  # 4 x 32 blocks
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    device = 72  # one prefix and a bit
+    device = 36  # one prefix and a bit
     off = like(smollm, device_blocks=device)
     expected = [generate(off, p + [1 + rnd], params=params)[0] for rnd in range(2) for p in prefixes]
     engine = like(
-        smollm, device_blocks=device, kv_host_memory_bytes=130 * block_bytes(smollm), kv_disk_dir=str(tmp_path)
+        smollm, device_blocks=device, kv_host_memory_bytes=65 * block_bytes(smollm), kv_disk_dir=str(tmp_path)
     )
     results = [generate(engine, p + [1 + rnd], params=params) for rnd in range(2) for p in prefixes]
     assert [t for t, _ in results] == expected
     second = [out for _, out in results[4:]]
-    assert all(out.num_cached_tokens == 1024 for out in second)
-    assert all(sum((out.cached_tokens_by_tier or {}).values()) == 1024 for out in second)
+    assert all(out.num_cached_tokens == 512 for out in second)
+    assert all(sum((out.cached_tokens_by_tier or {}).values()) == 512 for out in second)
     # Host holds two prefixes, disk all of them: the second round uses both lower tiers.
     stats = engine.tiers.stats()
     assert stats["kv_hit_tokens:host"] > 0 and stats["kv_hit_tokens:disk"] > 0
-    assert stats["kv_hit_tokens:host"] + stats["kv_hit_tokens:disk"] == 4 * 1024
+    assert stats["kv_hit_tokens:host"] + stats["kv_hit_tokens:disk"] == 4 * 512
     engine.close()
