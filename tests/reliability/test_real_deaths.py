@@ -53,6 +53,9 @@ LLAMA = {"n_ctx": 512, "n_threads": 1}
 CHAT = [{"role": "user", "content": "Write a long story about a brave knight and a dragon."}]
 MAX_TOKENS = 120
 KILL_AFTER_LINES = 25
+#: A top-2 logprob gap below this is a near-tie: float rounding alone can swap the two
+#: (tests/backends/test_mlx_agreement.py holds MLX to llama.cpp with the same bar).
+NEAR_TIE = 0.5
 CUT_AFTER = 25
 #: The replaying servers' silence is noticed after this long (no test asserts a timing).
 IDLE_TIMEOUT_S = 0.5
@@ -92,6 +95,8 @@ class Answer:
     error: openai.APIError | None = None
     num_events: int = 0
     deltas: list[str] = field(default_factory=list)
+    #: (token text, its logprob, the best other token's logprob), with ``logprobs=True``.
+    tokens: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 def stream_chat(
@@ -112,6 +117,10 @@ def stream_chat(
                 answer.text += piece
                 if piece:
                     answer.deltas.append(piece)
+                logprobs = event.choices[0].logprobs
+                for entry in (logprobs.content or []) if logprobs is not None else []:
+                    others = [t.logprob for t in entry.top_logprobs if t.token != entry.token]
+                    answer.tokens.append((entry.token, entry.logprob, max(others, default=float("-inf"))))
                 answer.finish_reason = event.choices[0].finish_reason or answer.finish_reason
             if event.usage is not None:
                 answer.usage = event.usage
@@ -120,6 +129,17 @@ def stream_chat(
     except openai.APIError as exc:  # the client raises on an error frame mid-stream
         answer.error = exc
     return answer
+
+
+def first_divergence(unbroken: Answer, text: str) -> tuple[int, float] | None:
+    """Where ``text`` leaves the unbroken answer: (token index, the unbroken token's lead in
+    logprob over the next best there), or None where it does not."""
+    offset = 0
+    for index, (token, logprob, runner_up) in enumerate(unbroken.tokens):
+        if text[offset : offset + len(token)] != token:
+            return index, logprob - runner_up
+        offset += len(token)
+    return None
 
 
 def kill_after(upstream: ServedUpstream, num_lines: int) -> Callable[[int], None]:
@@ -417,17 +437,29 @@ def test_a_llama_server_killed_mid_stream_is_continued_by_llamacpp(
     """Across engines the text only: llama-server decoded the text received token by token,
     llamacpp prefills it as a batch (and may reuse a cached prefix), so a near-tie may go the
     other way after the break. The client's answer is llama-server's part followed by
-    llamacpp's continuation of it, whole, with no error frame."""
+    llamacpp's continuation of it, whole, with no error frame, and it is the unbroken greedy
+    answer up to the first near-tie (seen: 28 tokens in, a lead of 0.15 nats)."""
     gw, watcher, ledger, server = llama_front
-    unbroken = stream_chat(gw, "llama_server")
+    unbroken = stream_chat(gw, "llama_server", logprobs=True, top_logprobs=2)
     assert unbroken.error is None and unbroken.finish_reason in ("stop", "length")
     assert unbroken.usage.completion_tokens > 2 * KILL_AFTER_LINES
+    assert "".join(t for t, _, _ in unbroken.tokens) == unbroken.text
     watcher.reset()
     answer = stream_chat(gw, "smollm2", on_event=kill_after(server, KILL_AFTER_LINES))
     assert server.process is not None and server.process.poll() == -signal.SIGKILL
     received = watcher.text("llama_server")
     assert unbroken.text.startswith(received) and len(received) < len(unbroken.text)
     assert answer.text.startswith(received) and len(answer.text) > len(received)
+    # The unbroken greedy answer, but for near-ties: the text may leave it only where
+    # llama-server's own top two were within NEAR_TIE of each other (llamacpp prefills the
+    # received text as a batch, llama-server decoded it token by token: other roundings).
+    diverged = first_divergence(unbroken, answer.text)
+    if diverged is None:
+        assert answer.text == unbroken.text
+    else:
+        index, lead = diverged
+        assert "".join(t for t, _, _ in unbroken.tokens[:index]).startswith(received)
+        assert lead < NEAR_TIE, f"left the unbroken answer at token {index}, {lead:.2f} nats clear"
     assert_resumed(
         answer, watcher, ledger, failed="llama_server", next_backend="llama", expected=None
     )
