@@ -98,6 +98,9 @@ class ChatPlan:
     tool_format: str | None
     reasoning_markers: tuple[str, str] | None
     reasoning_open: bool
+    #: ``parallel_tool_calls = false``: calls after the first are dropped (``auto`` has no
+    #: grammar to stop a model that makes two), as OpenAI gives at most one.
+    max_tool_calls: int | None = None
 
     async def parse(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncGenerator[GenerationChunk, None]:
         """``chunks`` with their text split into reasoning, content and tool calls; closing
@@ -139,6 +142,7 @@ class ChatPlan:
                 calls = tuple(
                     ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
                     for d in parsed.tool_calls
+                    if self.max_tool_calls is None or d.index < self.max_tool_calls
                 )
             changes: dict[str, Any] = {"text": content, "reasoning": thought, "tool_calls": calls}
             if final:
@@ -188,6 +192,7 @@ def plan_chat(request: GenerationRequest, template: ChatTemplate, fmt: ChatForma
         tool_format=tool_format,
         reasoning_markers=markers,
         reasoning_open=rendered.reasoning_open,
+        max_tool_calls=1 if offered and request.parallel_tool_calls is False else None,
     )
 
 
