@@ -18,18 +18,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from torch import Tensor
 from tqdm import tqdm
 
 from core_engine.cpu_features import cpu_flags
+from core_engine.gguf_reader import TensorRecord, read_gguf
 from core_engine.model.architecture import Architecture
 from core_engine.model.architectures import architecture, architectures, decoder_layer_class
 from core_engine.model.block_weights import (
@@ -88,20 +88,20 @@ class GGUFFile:
         if not self.path.is_file():
             raise FileNotFoundError(f"model file not found: {self.path}")
         try:
-            self._reader = GGUFReader(str(self.path))
+            self._index = read_gguf(self.path)
         except (ValueError, OSError) as exc:
             raise GGUFLoadError(f"{self.path} is not a readable GGUF file: {exc}") from exc
-        self._tensors: dict[str, ReaderTensor] = {t.name: t for t in self._reader.tensors}
+        self._tensors: dict[str, TensorRecord] = {t.name: t for t in self._index.tensors}
 
     @property
-    def reader(self) -> GGUFReader:
-        """The underlying :class:`gguf.GGUFReader` (raw fields and tensor records)."""
-        return self._reader
+    def tensors(self) -> list[TensorRecord]:
+        """Every tensor record, in file order."""
+        return self._index.tensors
 
-    @cached_property
+    @property
     def metadata(self) -> dict[str, Any]:
         """All key/values, decoded to Python values (strings, numbers, lists)."""
-        return {key: field.contents() for key, field in self._reader.fields.items()}
+        return self._index.metadata
 
     @property
     def file_type(self) -> str | None:
@@ -127,7 +127,7 @@ class GGUFFile:
         """True when the file holds a tensor called ``name``."""
         return name in self._tensors
 
-    def tensor(self, name: str) -> ReaderTensor:
+    def tensor(self, name: str) -> TensorRecord:
         """The raw record of tensor ``name`` (GGUF shape order, undecoded data)."""
         return self._require(name)
 
@@ -135,7 +135,7 @@ class GGUFFile:
         """GGML type of tensor ``name``."""
         return GGMLQuantizationType(self._require(name).tensor_type)
 
-    def _require(self, name: str) -> ReaderTensor:
+    def _require(self, name: str) -> TensorRecord:
         try:
             return self._tensors[name]
         except KeyError:

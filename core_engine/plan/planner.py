@@ -142,7 +142,7 @@ def _read_model(path: str, mtime_ns: int, size: int) -> _ModelFacts:
 
     layer = head = embedding = vector = eight_bit_layer = experts = 0
     head_eight_bit = False
-    for tensor in gguf_file.reader.tensors:
+    for tensor in gguf_file.tensors:
         count = int(tensor.n_elements)
         if tensor.name == "token_embd.weight":
             embedding = count

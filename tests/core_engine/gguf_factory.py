@@ -231,7 +231,7 @@ def write_dequantized_f32_copy(source: str | Path, path: str | Path, *, num_laye
     from core_engine.gguf_loader import GGUFFile
 
     src = GGUFFile(source)
-    reader = src.reader
+    reader = gguf.GGUFReader(str(source))  # the typed fields, to write them back as they were
     writer = gguf.GGUFWriter(str(path), src.architecture)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):

@@ -136,7 +136,7 @@ def test_kv_bytes_per_token_of_smollm2(cpu_plan: Plan, h100_plan: Plan) -> None:
 
 def test_weight_bytes_follow_the_files_tensor_shapes(local_plan: Plan, h100_plan: Plan) -> None:
     gguf_file = GGUFFile(MODEL)
-    counts = {t.name: int(t.n_elements) for t in gguf_file.reader.tensors}
+    counts = {t.name: int(t.n_elements) for t in gguf_file.tensors}
     embedding = counts.pop("token_embd.weight")
     assert "output.weight" not in counts  # tied: the head multiplies the embedding table
     products = sum(n for name, n in counts.items() if len(gguf_file.tensor(name).shape) == 2)
@@ -160,7 +160,7 @@ def test_weight_bytes_follow_the_files_tensor_shapes(local_plan: Plan, h100_plan
 def test_untied_head_is_one_product_next_to_the_embedding_table(tmp_path: Path) -> None:
     path = write_llama_gguf(tmp_path / "tiny.gguf", spec=TinyLlamaSpec(tie_embeddings=False))
     plan = plan_model(path, device="h100")
-    counts = {t.name: int(t.n_elements) for t in GGUFFile(path).reader.tensors}
+    counts = {t.name: int(t.n_elements) for t in GGUFFile(path).tensors}
     total = sum(counts.values())
     assert plan.row("dense", "bfloat16").weight_bytes == total * 2
     head, embedding = counts["output.weight"], counts["token_embd.weight"]

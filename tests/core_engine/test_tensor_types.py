@@ -58,7 +58,7 @@ def llamacpp_quantize(source: Path, target: Path, file_type: str) -> Path:
 
 
 def _types(path: Path) -> set[str]:
-    return {GGMLQuantizationType(t.tensor_type).name for t in GGUFFile(path).reader.tensors}
+    return {GGMLQuantizationType(t.tensor_type).name for t in GGUFFile(path).tensors}
 
 
 def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -94,7 +94,7 @@ def test_each_tensor_type_dequantizes_as_llamacpp_and_the_model_matches_it(
     assert FILE_TYPES[file_type] <= _types(quantized)
     theirs = llamacpp_quantize(quantized, tmp_path / "dequantized.gguf", "ALL_F32")  # llama.cpp's dequantisation
     ours_file, their_file = GGUFFile(quantized), GGUFFile(theirs)
-    for tensor in ours_file.reader.tensors:
+    for tensor in ours_file.tensors:
         assert torch.equal(ours_file.dequantized(tensor.name), their_file.dequantized(tensor.name)), tensor.name
     # The model on those weights computes what llama.cpp computes with them (F32 weights and
     # KV: no rounding of activations on either side).

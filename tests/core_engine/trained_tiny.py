@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import os
 from pathlib import Path
@@ -67,6 +68,13 @@ def _sha256(*paths: Path) -> str:
     return digest.hexdigest()
 
 
+def _vocab_sha256() -> str:
+    from tests.core_engine import gguf_factory
+
+    parts = [inspect.getsource(gguf_factory.build_tiny_vocab), gguf_factory._CORPUS, repr(gguf_factory.SPECIAL_TOKENS)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
 def recipe(arch: str) -> dict[str, Any]:
     """Everything that decides the bytes of ``arch``'s trained file."""
     import torch
@@ -83,7 +91,10 @@ def recipe(arch: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": importlib.metadata.version("transformers"),
         "gguf": importlib.metadata.version("gguf"),
-        "sources_sha256": _sha256(Path(__file__).resolve(), _HERE / "hf_factory.py", _HERE / "gguf_factory.py"),
+        "sources_sha256": _sha256(Path(__file__).resolve(), _HERE / "hf_factory.py"),
+        # Of gguf_factory.py only what the tiny vocabulary is made of: helpers added there
+        # for other tests do not make every machine train again.
+        "vocab_sha256": _vocab_sha256(),
     }
 
 
