@@ -18,6 +18,7 @@ from backends.base import GenerationRequest
 from backends.chat_plan import ChatOptions, load_chat
 from backends.errors import InvalidRequestError
 from core_engine.chat.budget import ThinkingBudget, ThinkingParams
+from core_engine.chat.formats import SPECIAL_MARKERS
 
 __all__ = ["LlamaModel"]
 
@@ -112,10 +113,16 @@ class LlamaModel:
         return list(buffer[:n])
 
     def piece(self, token: int) -> bytes:
-        """The bytes of one token (special tokens render as nothing), cached per id."""
+        """The bytes of one token (special tokens render as nothing, except the tool-call and
+        reasoning markers of :data:`~core_engine.chat.formats.SPECIAL_MARKERS` that do not end
+        generation: the output parsers need them), cached per id."""
         piece = self._pieces.get(token)
         if piece is None:
             piece = self._token_to_piece(token, special=False)
+            if not piece and token not in self.eog_ids:
+                text = self._token_to_piece(token, special=True)
+                if text.decode("utf-8", errors="replace") in SPECIAL_MARKERS:
+                    piece = text
             self._pieces[token] = piece
         return piece
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from core_engine.chat.formats import SPECIAL_MARKERS
 from core_engine.tokenizer.byte_level import CHAR_TO_BYTE
 from core_engine.tokenizer.end_of_generation import END_OF_GENERATION_TEXTS
 
@@ -102,6 +103,13 @@ class HFTokenizer(MLXTokenizer):
         )
         self._byte_level = _is_byte_level(hf_tokenizer)
         self._pieces: dict[int, bytes] = {}
+        # Special tokens that are tool-call / reasoning markers stay in the text (the output
+        # parsers read them), unless they end generation.
+        self._markers: dict[int, str] = {}
+        for token_id in self._special_ids - self.eos_token_ids:
+            text = hf_tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(text, str) and text in SPECIAL_MARKERS:
+                self._markers[token_id] = text
 
     @classmethod
     def from_mlx_lm(cls, wrapper: Any) -> HFTokenizer:
@@ -121,9 +129,25 @@ class HFTokenizer(MLXTokenizer):
         return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        text: str = self.hf.decode(
-            list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        ids = list(token_ids)
+        if not self._markers or not any(i in self._markers for i in ids):
+            return self._decode(ids)
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            marker = self._markers.get(token_id)
+            if marker is None:
+                run.append(token_id)
+                continue
+            parts += [self._decode(run), marker]
+            run = []
+        parts.append(self._decode(run))
+        return "".join(parts)
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        text: str = self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return text
 
     def text_stream(self, prompt_ids: Sequence[int]) -> TextStream:

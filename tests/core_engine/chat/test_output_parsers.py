@@ -49,6 +49,32 @@ TOOL_CASES = [
     ("mistral", "Sure. [TOOL_CALLS]get_weather[ARGS]" + WEATHER, "Sure.", [("get_weather", WEATHER)]),
     ("mistral", "[TOOL_CALLS]a[ARGS]{\"k\": \"[ARGS]\"}[TOOL_CALLS]b[ARGS]{}", "", [("a", '{"k": "[ARGS]"}'), ("b", "{}")]),
     ("mistral", "Just [text] with brackets.", "Just [text] with brackets.", []),
+    ("mistral", '[TOOL_CALLS]a[CALL_ID]abcDEF123[ARGS]{"x": 1}', "", [("a", '{"x": 1}')]),
+    # Formats read a whole call at a time (arguments as written, or re-encoded for XML-ish ones).
+    ("deepseek", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>" + WEATHER
+     + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "Checking.", [("get_weather", WEATHER)]),
+    ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{\"k\": \"```\"}\n```"
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [("a", '{"k": "```"}')]),
+    ("deepseek", "Plain <｜answer｜> text.", "Plain <｜answer｜> text.", []),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.a:0<|tool_call_argument_begin|>{}"
+     "<|tool_call_end|><|tool_call_begin|>functions.b:1<|tool_call_argument_begin|>{\"x\": [1]}<|tool_call_end|>"
+     "<|tool_calls_section_end|>", "", [("a", "{}"), ("b", '{"x": [1]}')]),
+    ("glm", "<tool_call>a\n<arg_key>q</arg_key>\n<arg_value>x < y</arg_value>\n<arg_key>n</arg_key>"
+     "<arg_value>[1, 2]</arg_value>\n</tool_call>", "", [("a", '{"q": "x < y", "n": [1, 2]}')]),
+    ("qwen_xml", "Sure.\n<tool_call>\n<function=a>\n<parameter=q>\nline 1\nline 2\n</parameter>\n</function>\n</tool_call>",
+     "Sure.", [("a", '{"q": "line 1\\nline 2"}')]),
+    ("dsml", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="a">\n<｜DSML｜parameter name="n" string="true">42'
+     '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>', "", [("a", '{"n": "42"}')]),
+    ("json_list", '<|tool_call|>[{"name": "a", "arguments": {"x": "]"}}, {"name": "b", "arguments": {}}]', "",
+     [("a", '{"x": "]"}'), ("b", "{}")]),
+    ("command_r", 'Action: ```json\n[{"tool_name": "a", "parameters": {}}]\n```', "", [("a", "{}")]),
+    ("json_list", "A <tool> and an Action: plain.", "A <tool> and an Action: plain.", []),
+    ("functionary_v3_1", '<function=a>{"x": "</function>"}</function>', "", [("a", '{"x": "</function>"}')]),
+    ("functionary_v3_2", 'all\nLet me see.>>>a\n{"x": 1}', "Let me see.", [("a", '{"x": 1}')]),
+    ("functionary_v3_2", "all\nJust text > here.", "Just text > here.", []),
+    ("harmony", '<|start|>assistant to=functions.a<|channel|>commentary <|constrain|>json<|message|>{"x": 1}<|call|>',
+     "", [("a", '{"x": 1}')]),
+    ("harmony", "<|channel|>final<|message|>Paris is nice.<|return|>", "Paris is nice.", []),
 ]
 
 
@@ -108,6 +134,10 @@ REASONING_CASES = [
     (("<think>", "</think>"), True, "I ran out of budget <", "I ran out of budget <", ""),
     (("[THINK]", "[/THINK]"), False, "[THINK]Paris is in France.[/THINK]Paris.", "Paris is in France.", "Paris."),
     (("<seed:think>", "</seed:think>"), False, "  <seed:think>héhé ☕</seed:think>Réponse", "héhé ☕", "Réponse"),
+    (("<|channel|>analysis<|message|>", "<|end|>"), False,
+     "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi", "Think.",
+     "<|start|>assistant<|channel|>final<|message|>Hi"),
+    (("<|START_THINKING|>", "<|END_THINKING|>"), False, "<|START_THINKING|>Plan.<|END_THINKING|>Go", "Plan.", "Go"),
 ]
 
 
