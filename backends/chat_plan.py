@@ -153,6 +153,10 @@ class ChatPlan:
             yield msgspec.structs.replace(chunk, **changes)
 
 
+#: Tool-call formats whose parser must read every answer, not only those with tools offered.
+_STRUCTURED_OUTPUT_FORMATS = frozenset({"harmony"})
+
+
 def plan_chat(request: GenerationRequest, template: ChatTemplate, fmt: ChatFormat) -> ChatPlan:
     """Render and plan ``request`` (a chat) for a backend whose template is ``template``."""
     offered = list(request.tools) if request.tools and request.tool_choice != "none" else None
@@ -169,6 +173,10 @@ def plan_chat(request: GenerationRequest, template: ChatTemplate, fmt: ChatForma
         raise InvalidRequestError(str(exc), param="messages") from exc
     structured = request.structured_outputs
     tool_format = tool_call_format(fmt) if offered else None
+    if tool_format is None and fmt.tool_calls in _STRUCTURED_OUTPUT_FORMATS:
+        # Every answer of such a model is framed by markers (gpt-oss's harmony channels):
+        # its parser turns the final channel into content, tools offered or not.
+        tool_format = fmt.tool_calls
     if offered and request.tool_choice in ("required", "function"):
         forced = offered
         if request.tool_choice == "function":

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core_engine.chat.formats import ChatFormat
-from core_engine.chat.template import ChatTemplate
+from core_engine.chat.template import ChatTemplate, ChatTemplateError
 
 __all__ = ["FALLBACK_TOOL_INSTRUCTIONS", "RenderedChat", "render_chat", "tool_call_format"]
 
@@ -112,6 +112,16 @@ def _fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str
     return out
 
 
+def _system_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the leading system message's text put before the first user turn's."""
+    system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
+    for item in rest:
+        if item["role"] == "user":
+            item["content"] = system + "\n\n" + (item.get("content") or "")
+            return rest
+    return [{"role": "user", "content": system}, *rest]
+
+
 def render_chat(
     template: ChatTemplate,
     fmt: ChatFormat,
@@ -134,7 +144,17 @@ def render_chat(
             _native(messages), add_generation_prompt=add_generation_prompt, tools=offered, **extra
         )
     elif tools or has_tool_turns:
-        text = template.render(_fallback(messages, tools), add_generation_prompt=add_generation_prompt, **extra)
+        fallback = _fallback(messages, tools)
+        try:
+            text = template.render(fallback, add_generation_prompt=add_generation_prompt, **extra)
+        except ChatTemplateError:
+            # A template without a system role (Gemma 2's refuses one): the instructions go at
+            # the head of the first user turn, as such models' own system prompts do.
+            if not (tools and fallback and fallback[0]["role"] == "system"):
+                raise
+            text = template.render(
+                _system_into_first_user(fallback), add_generation_prompt=add_generation_prompt, **extra
+            )
     else:
         text = template.render([dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **extra)
     markers = fmt.reasoning_markers

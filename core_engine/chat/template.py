@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jinja2 import TemplateError, nodes
@@ -98,7 +98,17 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # Jinja's own filter HTML-escapes <, >, &, ' and "; the models were trained on plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    # Lazy sequences (``tools | map(attribute='function')`` is a generator) become lists, as
+    # llama.cpp's renderer does; transformers' json.dumps refuses them.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys, default=_listed
+    )
+
+
+def _listed(value: Any) -> list[Any]:
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 class _Namespace(Namespace):

@@ -48,3 +48,22 @@ async def test_auto_with_parallel_tool_calls_false_gives_at_most_one_call(parall
     assert names == (["get_time", "get_weather"] if parallel else ["get_time"])
     assert all(json.loads(arguments) == {"city": "Oslo"} for _, arguments in calls.values())
     assert finish == "tool_calls"
+
+
+async def test_a_harmony_answer_without_tools_is_its_final_channel() -> None:
+    # gpt-oss frames every answer in channels; its markers reach the parser (special tokens
+    # named in core_engine.chat.formats.SPECIAL_MARKERS), tools offered or not.
+    from tests.real_artifacts import templates_dir
+
+    source = (templates_dir() / "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8")
+    template, fmt = load_chat(None, source)
+    request = GenerationRequest(
+        request_id="r", model="m", kind="chat", messages=(ChatMessage(role="user", content="Hi"),)
+    )
+    plan = plan_chat(request, template, fmt)
+    answer = "<|channel|>analysis<|message|>Say hello.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
+    content = reasoning = ""
+    async for chunk in plan.parse(_chunks(answer)):
+        content += chunk.text
+        reasoning += chunk.reasoning or ""
+    assert content == "Hello!" and reasoning == "Say hello."
