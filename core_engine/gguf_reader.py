@@ -142,24 +142,28 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
 def read_gguf(path: str | Path) -> GGUFIndex:
     """The key/values and tensor records of the GGUF file at ``path`` (``ValueError`` naming
     the byte offset for a file that is not GGUF or is cut short)."""
+    # The header through mmap (slicing bytes is cheap; slicing a np.memmap builds a memmap
+    # object per string), the tensor data as np.memmap views.
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        header, version, n_tensors, n_kv = _open_header(buf, path)
+        try:
+            metadata = header.metadata(n_kv)
+            infos = []
+            for _ in range(n_tensors):
+                name = header.string()
+                (n_dims,) = header.unpack("<I")
+                dims = np.array(struct.unpack_from(f"<{n_dims}Q", buf, header.pos), dtype=np.uint64)
+                header.pos += 8 * n_dims
+                raw_type, offset = header.unpack("<IQ")
+                infos.append((name, dims, GGMLQuantizationType(raw_type), offset))
+        except (KeyError, struct.error, ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: malformed GGUF header at byte {header.pos}: {exc}") from exc
+        header_end = header.pos
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    header, version, n_tensors, n_kv = _open_header(data, path)
-    try:
-        metadata = header.metadata(n_kv)
-        infos = []
-        for _ in range(n_tensors):
-            name = header.string()
-            (n_dims,) = header.unpack("<I")
-            dims = np.frombuffer(data, "<u8", n_dims, header.pos).copy()
-            header.pos += 8 * n_dims
-            raw_type, offset = header.unpack("<IQ")
-            infos.append((name, dims, GGMLQuantizationType(raw_type), offset))
-    except (KeyError, struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: malformed GGUF header at byte {header.pos}: {exc}") from exc
     alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"{path}: general.alignment = {alignment} is not a power of two")
-    start = -(-header.pos // alignment) * alignment
+    start = -(-header_end // alignment) * alignment
     tensors: list[TensorRecord] = []
     seen: set[str] = set()
     for name, dims, ggml_type, offset in infos:
