@@ -5,6 +5,8 @@
 from a small built-in corpus, ChatML control tokens) and a ChatML chat template. Every call with
 the same arguments writes the same bytes. Weights can be stored as F32, F16, BF16, Q8_0, Q4_0
 or Q4_1 (quantised with ``gguf.quants``).
+``write_with_vocab(model, vocab, path)`` gives such a tiny model another file's vocabulary
+(a real one from llama.cpp's corpus) and a chat template.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -27,6 +30,7 @@ __all__ = [
     "build_tiny_vocab",
     "write_dequantized_f32_copy",
     "write_llama_gguf",
+    "write_with_vocab",
 ]
 
 #: Control tokens at ids 0, 1, 2 (eos = <|im_end|>, bos = <|endoftext|>).
@@ -256,3 +260,70 @@ def write_dequantized_f32_copy(source: str | Path, path: str | Path, *, num_laye
 def write_first_layers_copy(source: str | Path, path: str | Path, num_layers: int) -> Path:
     """A draft model: ``source`` with only its first ``num_layers`` blocks (F32)."""
     return write_dequantized_f32_copy(source, path, num_layers=num_layers)
+
+
+def write_with_vocab(
+    model: str | Path,
+    vocab: str | Path,
+    path: str | Path,
+    *,
+    chat_template: str | None = None,
+    embedding_type: GGMLQuantizationType = GGMLQuantizationType.F16,
+    seed: int = 0,
+) -> Path:
+    """Copy the tiny model ``model`` to ``path`` with the vocabulary of the GGUF ``vocab``.
+
+    Every ``tokenizer.*`` key of ``vocab`` (a real model's, e.g. llama.cpp's vocab-only
+    ``ggml-vocab-*.gguf``) replaces the model's; ``chat_template`` (when given) becomes
+    ``tokenizer.chat_template``. The token embedding and the output matrix get one random row
+    per token of the new vocabulary (the scale of the old rows; stored as ``embedding_type``,
+    F16 by default to halve a 150k-token file), ``{arch}.vocab_size`` follows; every other
+    key and tensor is copied as it is. The model's weights are noise either way: this makes a
+    file that carries a real vocabulary and template through a loader and a server.
+    """
+    from core_engine.tokenizer.gguf import read_gguf_metadata
+
+    source = gguf.GGUFReader(str(model))
+    arch = str(source.fields["general.architecture"].contents())
+    # The engine's reader: gguf.GGUFReader takes seconds over a 250k-token vocabulary.
+    words = {k: v for k, v in read_gguf_metadata(vocab).items() if k.startswith("tokenizer.")}
+    if chat_template is not None:
+        words["tokenizer.chat_template"] = chat_template
+    n_vocab = len(words["tokenizer.ggml.tokens"])
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, field in source.fields.items():
+        if key.startswith(("GGUF.", "tokenizer.")) or key in ("general.architecture", f"{arch}.vocab_size"):
+            continue
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    writer.add_vocab_size(n_vocab)
+    for key, value in words.items():
+        writer.add_key_value(key, value, *_value_types(value))
+
+    rng = np.random.default_rng(seed)
+    for tensor in source.tensors:
+        if tensor.tensor_type != GGMLQuantizationType.F32:
+            raise ValueError(f"{model}: {tensor.name} is {tensor.tensor_type.name}; write_with_vocab copies F32 models")
+        data = np.asarray(tensor.data, dtype=np.float32)
+        if tensor.name in ("token_embd.weight", "output.weight"):
+            rows = (rng.standard_normal((n_vocab, data.shape[1]), dtype=np.float32) * float(data.std()))
+            encoded, raw_dtype = _encode_weight(rows, embedding_type)
+            writer.add_tensor(tensor.name, encoded, raw_dtype=raw_dtype)
+        else:
+            writer.add_tensor(tensor.name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def _value_types(value: Any) -> tuple[gguf.GGUFValueType, gguf.GGUFValueType | None]:
+    """The GGUF types llama.cpp's converter writes a tokenizer value with (ids UINT32, token
+    types INT32, scores FLOAT32)."""
+    kinds = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32,
+             str: gguf.GGUFValueType.STRING}
+    if isinstance(value, list):
+        item = type(value[0]) if value else str
+        return gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32 if item is int else kinds[item]
+    return kinds[type(value)], None
