@@ -7,6 +7,7 @@ thread.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -178,6 +179,21 @@ class LLMEngine:
         logger.info("speculative decoding: %s, at most %d tokens per proposal", ", ".join(spec.methods), spec.max_proposal)
         return speculator
 
+    def _kv_computed_by(self, config: EngineConfig) -> str:
+        """What else decides a KV block's values, for the disk tier's key: the weights' storage
+        (one format, and the per-layer exceptions a budget or policy chose) and the RoPE
+        tables in use (LongRoPE picks short or long factors by ``max_model_len``)."""
+        model = getattr(self.model_runner, "model", None)
+        if model is None:  # the ranks hold the model (tensor parallelism): what was asked for
+            return f"weights={config.weight_format} max_model_len={config.max_model_len}"
+        formats = ",".join(f"{name}={fmt}" for name, fmt in sorted(model.layer_formats.items()))
+        rope = hashlib.blake2b(digest_size=8)
+        for rotary in (getattr(model, "rotary", None), getattr(model, "local_rotary", None)):
+            if rotary is not None:  # position 1's angles: the frequencies, factors and scale
+                rope.update(rotary.cos[1].float().cpu().numpy().tobytes())
+                rope.update(rotary.sin[1].float().cpu().numpy().tobytes())
+        return f"weights={model.weight_format} formats=[{formats}] rope={rope.hexdigest()}"
+
     def _build_tiers(self, config: EngineConfig) -> KVTiers | None:
         """The host and disk KV tiers the config asks for (None: neither)."""
         if not config.enable_prefix_caching or (config.kv_host_memory_bytes <= 0 and config.kv_disk_dir is None):
@@ -197,7 +213,8 @@ class LLMEngine:
             mc = self.model_config
             layout = (
                 f"kv-v1 kv={kv_cache.quant.name} storage={kv_cache.storage.dtype} compute={kv_cache.dtype} "
-                f"layers={mc.num_layers} block={config.block_size} kv_heads={mc.num_kv_heads} head_dim={mc.head_dim}"
+                f"layers={mc.num_layers} block={config.block_size} kv_heads={mc.num_kv_heads} head_dim={mc.head_dim} "
+                f"{self._kv_computed_by(config)}"
             )
             disk = DiskKVStore(
                 config.kv_disk_dir,

@@ -163,6 +163,23 @@ def test_a_restarted_engine_reads_the_disk_tier(tiny: LLMEngine, tmp_path: Path,
     second.close()
 
 
+def test_blocks_computed_with_other_weight_formats_are_not_restored(tiny_path: Path, tmp_path: Path) -> None:
+    # The disk key holds the weights' storage: the KV of int8 weights differs from dense's.
+    prompt = make_prompts(1, 4 * BS, seed=6)[0] + [1]
+
+    def restarted(weight_format: str) -> RequestOutput:
+        engine = make_engine(tiny_path, weight_format=weight_format, kv_cache_memory_bytes=2**20, kv_disk_dir=str(tmp_path))
+        try:
+            return generate(engine, prompt)[1]
+        finally:
+            engine.close()
+
+    assert restarted("dense").num_cached_tokens == 0
+    assert restarted("int8").num_cached_tokens == 0  # another format: its own blocks
+    assert restarted("dense").cached_tokens_by_tier == {"disk": 4 * BS}
+    assert restarted("int8").cached_tokens_by_tier == {"disk": 4 * BS}
+
+
 def test_bad_files_are_detected_and_recomputed(tiny: LLMEngine, tiny_path: Path, tmp_path: Path) -> None:
     prefixes = make_prompts(4, 4 * BS, seed=5)
     disk = tmp_path / "kv"

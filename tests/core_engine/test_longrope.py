@@ -116,3 +116,25 @@ def _greedy(n: int):
     from core_engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_kv_blocks_on_disk_are_not_shared_between_short_and_long_factors(
+    small: tuple[object, Path, Path], tmp_path: Path
+) -> None:
+    # max_model_len picks LongRoPE's short or long factors: other K for the same tokens, so
+    # the disk tier's key holds the RoPE tables in use.
+    _, _, gguf_path = small
+    prompt = list(range(3, 3 + 16)) + [1]  # one block of 16 tokens
+    params = _greedy(1)
+
+    def cached(max_model_len: int | None) -> dict[str, int]:
+        engine = make_engine(gguf_path, max_model_len=max_model_len, kv_disk_dir=str(tmp_path))
+        try:
+            out = run_all(engine, {"r": prompt}, params)["r"]["outputs"][-1]  # type: ignore[index]
+            return dict(out.cached_tokens_by_tier or {})  # type: ignore[attr-defined]
+        finally:
+            engine.close()
+
+    assert cached(32) == {}
+    assert cached(None) == {}  # long factors: the short ones' blocks are not theirs
+    assert cached(32) == {"disk": 16} and cached(None) == {"disk": 16}
