@@ -154,7 +154,7 @@ class ChatPlan:
 
 
 #: Tool-call formats whose parser must read every answer, not only those with tools offered.
-_STRUCTURED_OUTPUT_FORMATS = frozenset({"harmony"})
+_ALWAYS_PARSED_FORMATS = frozenset({"harmony"})
 
 
 def plan_chat(request: GenerationRequest, template: ChatTemplate, fmt: ChatFormat) -> ChatPlan:
@@ -173,7 +173,7 @@ def plan_chat(request: GenerationRequest, template: ChatTemplate, fmt: ChatForma
         raise InvalidRequestError(str(exc), param="messages") from exc
     structured = request.structured_outputs
     tool_format = tool_call_format(fmt) if offered else None
-    if tool_format is None and fmt.tool_calls in _STRUCTURED_OUTPUT_FORMATS:
+    if tool_format is None and fmt.tool_calls in _ALWAYS_PARSED_FORMATS:
         # Every answer of such a model is framed by markers (gpt-oss's harmony channels):
         # its parser turns the final channel into content, tools offered or not.
         tool_format = fmt.tool_calls

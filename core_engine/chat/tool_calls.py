@@ -946,19 +946,41 @@ class HunyuanToolCallParser(GlmToolCallParser):
 
 
 
-class _XmlParamsParser(_SectionParser):
-    """``<function=NAME><parameter=K>V</parameter>...</function>`` and the ``<invoke name=...>``
-    / ``<parameter name=...>`` layouts; one section may hold several invokes."""
+class _BlockParser(_SectionParser):
+    """A section read whole (up to :attr:`END`), then its calls given out one per step."""
 
     END = ""
-    INVOKE = ""  # regex of an invoke's opening tag, group 1 the name
-    INVOKE_END = ""
-    PARAM = ""  # regex of a parameter's opening tag: group 1 the key, group 2 string="..."
-    PARAM_END = ""
 
     def __init__(self, make_id: Callable[[], str] = new_tool_call_id) -> None:
         super().__init__(make_id)
         self._pending: list[_Call] = []
+
+    def _calls(self, block: str) -> list[_Call]:
+        """Every call of one complete section's text."""
+        raise NotImplementedError
+
+    def _step(self, buf: str, final: bool) -> tuple[int, _Call | None, bool] | None:
+        if self._pending:
+            return 0, self._pending.pop(0), not self._pending
+        until = _until(buf, (self.END,), final)
+        if until is None:
+            return None
+        end, after = until
+        calls = self._calls(buf[:end])
+        if not calls:
+            return after, None, True
+        self._pending = calls[1:]
+        return after, calls[0], not self._pending
+
+
+class _XmlParamsParser(_BlockParser):
+    """``<function=NAME><parameter=K>V</parameter>...</function>`` and the ``<invoke name=...>``
+    / ``<parameter name=...>`` layouts; one section may hold several invokes."""
+
+    INVOKE = ""  # regex of an invoke's opening tag, group 1 the name
+    INVOKE_END = ""
+    PARAM = ""  # regex of a parameter's opening tag: group 1 the key, group 2 string="..."
+    PARAM_END = ""
 
     def _calls(self, body: str) -> list[_Call]:
         calls = []
@@ -974,19 +996,6 @@ class _XmlParamsParser(_SectionParser):
                 arguments[param.group(1)] = value
             calls.append((match.group(1), _dumps(arguments)))
         return calls
-
-    def _step(self, buf: str, final: bool) -> tuple[int, _Call | None, bool] | None:
-        if self._pending:
-            return 0, self._pending.pop(0), not self._pending
-        until = _until(buf, (self.END,), final)
-        if until is None:
-            return None
-        end, after = until
-        calls = self._calls(buf[:end])
-        if not calls:
-            return after, None, True
-        self._pending = calls[1:]
-        return after, calls[0], not self._pending
 
 
 class QwenXmlToolCallParser(_XmlParamsParser):
@@ -1129,16 +1138,12 @@ def _python_value(source: str) -> Any:
         return ast.literal_eval(source)
 
 
-class PythonicToolCallParser(_SectionParser):
+class PythonicToolCallParser(_BlockParser):
     """LFM2: ``<|tool_call_start|>[NAME(key=value, ...), ...]<|tool_call_end|>``, Python calls
     with literal (or JSON) arguments."""
 
     STARTS = ("<|tool_call_start|>",)
     END = "<|tool_call_end|>"
-
-    def __init__(self, make_id: Callable[[], str] = new_tool_call_id) -> None:
-        super().__init__(make_id)
-        self._pending: list[_Call] = []
 
     def _calls(self, body: str) -> list[_Call]:
         try:
@@ -1160,19 +1165,6 @@ class PythonicToolCallParser(_SectionParser):
                 continue
             calls.append((name, _dumps(arguments)))
         return calls
-
-    def _step(self, buf: str, final: bool) -> tuple[int, _Call | None, bool] | None:
-        if self._pending:
-            return 0, self._pending.pop(0), not self._pending
-        until = _until(buf, (self.END,), final)
-        if until is None:
-            return None
-        end, after = until
-        calls = self._calls(buf[:end])
-        if not calls:
-            return after, None, True
-        self._pending = calls[1:]
-        return after, calls[0], not self._pending
 
 
 _GEMMA_WORDS = {"None": "null", "True": "true", "False": "false", "null": "null", "true": "true", "false": "false"}
@@ -1229,7 +1221,7 @@ class GemmaToolCallParser(_SectionParser):
         return after, (body[:brace].strip(), _dumps(arguments)), True
 
 
-class KimiK3ToolCallParser(_SectionParser):
+class KimiK3ToolCallParser(_BlockParser):
     """Kimi K3: tagged blocks ``<|open|>TAG ATTRS<|sep|> ... <|close|>TAG<|sep|>``. The answer's
     ``response`` block is content (its tags dropped), the ``tools`` block holds ``call
     tool="NAME"`` blocks of ``argument key="K" type="T"`` blocks (a ``string`` value as is,
@@ -1243,30 +1235,22 @@ class KimiK3ToolCallParser(_SectionParser):
     _ARG = re.compile(r'<\|open\|>argument key="([^"]*)"(?: type="([^"]*)")?[^<]*<\|sep\|>(.*?)<\|close\|>argument<\|sep\|>',
                       re.S)
 
-    def __init__(self, make_id: Callable[[], str] = new_tool_call_id) -> None:
-        super().__init__(make_id)
-        self._pending: list[_Call] = []
+    END = TOOLS[1]
 
-    def _step(self, buf: str, final: bool) -> tuple[int, _Call | None, bool] | None:
-        if self._section in self.DROPPED:
-            return 0, None, True
-        if self._pending:
-            return 0, self._pending.pop(0), not self._pending
-        until = _until(buf, (self.TOOLS[1],), final)
-        if until is None:
-            return None
-        end, after = until
+    def _calls(self, block: str) -> list[_Call]:
         calls = []
-        for call in self._CALL.finditer(buf[:end]):
+        for call in self._CALL.finditer(block):
             arguments = {
                 key: value if kind == "string" else _decode_value(value)
                 for key, kind, value in self._ARG.findall(call.group(2))
             }
             calls.append((call.group(1), _dumps(arguments)))
-        if not calls:
-            return after, None, True
-        self._pending = calls[1:]
-        return after, calls[0], not self._pending
+        return calls
+
+    def _step(self, buf: str, final: bool) -> tuple[int, _Call | None, bool] | None:
+        if self._section in self.DROPPED:
+            return 0, None, True
+        return super()._step(buf, final)
 
 
 class MuseToolCallParser(InvokeXmlToolCallParser):
@@ -1334,7 +1318,7 @@ def _m3_elements(text: str) -> Any:
     return dict(root[0][1])
 
 
-class MiniMaxM3ToolCallParser(_SectionParser):
+class MiniMaxM3ToolCallParser(_BlockParser):
     """MiniMax M3: ``<tool_call>`` of ``<invoke name="NAME">`` whose arguments are nested XML
     (``<city>Paris</city>``, ``<days><item>1</item></days>``), the tags separated by
     ``]<]minimax[>[``; a leaf value is JSON when it parses (``1``, ``true``), else text."""
@@ -1343,29 +1327,15 @@ class MiniMaxM3ToolCallParser(_SectionParser):
     END = "</tool_call>"
     _INVOKE = re.compile(r'<invoke name="([^"]*)">(.*?)</invoke>', re.S)
 
-    def __init__(self, make_id: Callable[[], str] = new_tool_call_id) -> None:
-        super().__init__(make_id)
-        self._pending: list[_Call] = []
-
-    def _step(self, buf: str, final: bool) -> tuple[int, _Call | None, bool] | None:
-        if self._pending:
-            return 0, self._pending.pop(0), not self._pending
-        until = _until(buf, (self.END,), final)
-        if until is None:
-            return None
-        end, after = until
-        body = buf[:end].replace(_M3_SEP, "")
+    def _calls(self, block: str) -> list[_Call]:
         calls = []
-        for invoke in self._INVOKE.finditer(body):
+        for invoke in self._INVOKE.finditer(block.replace(_M3_SEP, "")):
             try:
                 arguments = _m3_elements(invoke.group(2).strip())
             except ValueError:
                 continue
             calls.append((invoke.group(1), _dumps(arguments)))
-        if not calls:
-            return after, None, True
-        self._pending = calls[1:]
-        return after, calls[0], not self._pending
+        return calls
 
 
 class HarmonyToolCallParser(ToolCallParser):

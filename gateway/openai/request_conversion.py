@@ -15,6 +15,7 @@ import msgspec
 
 from backends.base import ChatMessage, GenerationRequest, ResumeState, SamplingParams, ToolCall
 from backends.errors import InvalidRequestError, UnsupportedParameterError
+from core_engine.chat.template import RESERVED_TEMPLATE_VARIABLES
 from gateway.config.types import LimitsConfig, ReasoningConfig
 from gateway.openai.response_format import checked_response_format
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -39,22 +40,8 @@ SMUGGLING_FIELDS = frozenset({"api_base", "base_url", "api_key", "api_version", 
 
 #: ``chat_template_kwargs`` keys a request may not send: the variables the server sets
 #: itself (the conversation, the offered tools, the special tokens) and the functions
-#: templates call. The same names as core_engine.chat.template.RESERVED_TEMPLATE_VARIABLES
-#: (the gateway does not import the engine; a test keeps the two equal).
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "messages",
-        "tools",
-        "documents",
-        "add_generation_prompt",
-        "bos_token",
-        "eos_token",
-        "raise_exception",
-        "strftime_now",
-        "namespace",
-        "dict",
-    }
-)
+#: templates call, as the renderer defines them.
+RESERVED_TEMPLATE_KWARGS = RESERVED_TEMPLATE_VARIABLES
 
 # "developer" is OpenAI's newer name for "system"; chat templates know "system".
 _ROLE_ALIASES = {

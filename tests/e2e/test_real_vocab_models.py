@@ -19,12 +19,6 @@ reason (``test_every_corpus_vocab_is_served_or_listed``): none is skipped silent
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +32,10 @@ from core_engine.tokenizer import Tokenizer
 from core_engine.tokenizer.gguf import read_gguf_metadata, tokenizer_from_gguf_metadata
 from tests.core_engine.gguf_factory import write_with_vocab
 from tests.real_artifacts import templates_dir, vocab_dir
+from tests.telemetry.served_process import ServedGateway
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -140,12 +134,6 @@ class Gateway:
     files: dict[str, Path]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _write_models(directory: Path) -> dict[str, Path]:
     """One GGUF per case: the tiny random model of its architecture with the case's
     vocabulary and template (context 4096: the real templates' tool prompts are long)."""
@@ -191,38 +179,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     files = _write_models(directory)
     config = directory / "config.toml"
     config.write_text(_config(files), encoding="utf-8")
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in ("INFERMUX_CONFIG", "INFERMUX_API_KEY")},
-        "INFERMUX_LEDGER_PATH": str(directory / "ledger.sqlite3"),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--host", "127.0.0.1",
-         "--port", str(port), "--no-access-log"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
+    # The shared `infermux serve` subprocess of the telemetry tests: its ledger beside the log.
+    served = ServedGateway(config, env={}, log=directory / "infermux.log")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{base}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "the gateway did not become ready"
-            time.sleep(0.2)
-        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            yield Gateway(base, client, files)
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=60)
-        assert process.returncode == 0, stderr[-4000:]
+        served.wait_ready(timeout_s=180)
+        with openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            yield Gateway(served.url, client, files)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        assert served.stop() == 0, served.log.read_text()[-4000:]
 
 
 def _tokenizer(path: Path) -> Tokenizer:

@@ -17,7 +17,6 @@ import pytest
 from backends.base import GenerationChunk, GenerationRequest, Usage
 from backends.chat_plan import load_chat, plan_chat
 from backends.mock import MockBackend
-from core_engine.chat.template import RESERVED_TEMPLATE_VARIABLES
 from gateway.openai.request_conversion import RESERVED_TEMPLATE_KWARGS
 from gateway.testing import LiveGateway, gateway_config, mock_backend
 from tests.real_artifacts import templates_dir
@@ -92,7 +91,3 @@ def test_request_supplied_templates_are_still_refused(gw: LiveGateway) -> None:
     response = _chat(gw, chat_template="{{ messages }}", chat_template_kwargs={"enable_thinking": False})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "chat_template"
-
-
-def test_the_gateway_refuses_what_the_renderer_refuses() -> None:
-    assert RESERVED_TEMPLATE_KWARGS == RESERVED_TEMPLATE_VARIABLES

@@ -4,11 +4,7 @@ a real subprocess on a free loopback port. Bad paths exit 2 with a message namin
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,8 +26,9 @@ from gateway.config.load import (
 )
 from gateway.config.types import ConfigError
 from gateway.http.auth import hash_key
+from tests.gateway.test_gateway_cli import infermux
+from tests.telemetry.served_process import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "imx-test-key-0123456789"
 
 
@@ -50,27 +47,6 @@ def tiny_gguf(tmp_path: Path) -> Path:
     path.parent.mkdir()
     path.symlink_to(default_model_path())
     return path
-
-
-def infermux(*args: str) -> subprocess.Popen[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager
