@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -336,7 +336,9 @@ class GGUFBlockSource:
         return parts[0] if len(parts) == 1 else concat_rows(parts, groups=experts)
 
 
-def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
+def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int, *, products: bool = True) -> None:
+    """Layer ``idx``'s weights from the file; ``products=False`` leaves the matmul products
+    (q/k/v/o, gate/up/down, experts) unread, for a model that packs them from the file's blocks."""
     cfg = model.config
     layer = model.layers[idx]
     prefix = f"blk.{idx}."
@@ -346,9 +348,9 @@ def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
         return _unpermute_rope_rows(t, heads) if gguf_file.arch_spec.permuted_qk_rows else t
 
     fused = gguf_file.arch_spec.fused_projections
-    if fused:  # Phi-3: q|k|v in one tensor, in Hugging Face's row order
+    if products and fused:  # Phi-3: q|k|v in one tensor, in Hugging Face's row order
         layer.qkv_proj.copy_(gguf_file.dequantized(prefix + "attn_qkv.weight"))
-    else:
+    elif products:
         q = qk_rows(prefix + "attn_q.weight", cfg.num_heads)
         k = qk_rows(prefix + "attn_k.weight", cfg.num_kv_heads)
         v = gguf_file.dequantized(prefix + "attn_v.weight")
@@ -361,15 +363,19 @@ def _fill_layer(model: LlamaModel, gguf_file: GGUFFile, idx: int) -> None:
     if cfg.qk_norm:  # Qwen3: one norm weight per head_dim, shared by the heads
         layer.q_norm.copy_(gguf_file.dequantized(prefix + "attn_q_norm.weight"))
         layer.k_norm.copy_(gguf_file.dequantized(prefix + "attn_k_norm.weight"))
-    layer.o_proj.copy_(gguf_file.dequantized(prefix + "attn_output.weight"))
+    if products:
+        layer.o_proj.copy_(gguf_file.dequantized(prefix + "attn_output.weight"))
     layer.attn_norm.copy_(gguf_file.dequantized(prefix + "attn_norm.weight"))
     layer.ffn_norm.copy_(gguf_file.dequantized(prefix + "ffn_norm.weight"))
     if hasattr(layer, "post_attn_norm"):  # Gemma: norms after attention and after the FFN too
         layer.post_attn_norm.copy_(gguf_file.dequantized(prefix + "post_attention_norm.weight"))
         layer.post_ffn_norm.copy_(gguf_file.dequantized(prefix + "post_ffw_norm.weight"))
     inter = cfg.intermediate_size
-    if cfg.num_experts:  # mixture of experts: the router and the stacked experts
+    if cfg.num_experts:  # mixture of experts: the router, then (below) the stacked experts
         layer.router.copy_(gguf_file.dequantized(prefix + "ffn_gate_inp.weight"))
+    if not products:
+        return
+    if cfg.num_experts:
         layer.experts_gate_up_proj.copy_(torch.cat(
             (gguf_file.dequantized(prefix + "ffn_gate_exps.weight"), gguf_file.dequantized(prefix + "ffn_up_exps.weight")),
             dim=1,
@@ -391,6 +397,7 @@ def load_model(
     device: torch.device | str = "cpu",
     show_progress: bool | None = None,
     max_model_len: int | None = None,
+    packs_from_blocks: Callable[[str | None], bool] | None = None,
 ) -> tuple[LlamaModel, LlamaConfig, Tokenizer]:
     """Read ``path`` (a GGUF file, or a Hugging Face checkpoint directory:
     :mod:`core_engine.hf_loader`) and build the model, its config and its tokenizer.
@@ -401,6 +408,11 @@ def load_model(
     ``max_model_len``: the engine's context window (None: the trained context length, as
     :class:`~core_engine.config.EngineConfig` takes it); LongRoPE models choose their long or
     short factors by it.
+    ``packs_from_blocks``: given the file's type (``general.file_type``), whether the caller
+    will store every matmul product in a block format from the file's own blocks
+    (:meth:`LlamaModel.set_weight_format` with this file's :class:`GGUFBlockSource`); then the
+    dense products are never dequantised (most of a quantised file's load time) and the model
+    refuses any other format (``products_unread``).
     """
     from core_engine.hf_loader import is_hf_checkpoint, load_hf_model
 
@@ -419,6 +431,7 @@ def load_model(
         config.hidden_size, dtype, device,
     )
     freq_factors = gguf_file.rope_freq_factors(config, max_model_len)
+    products = packs_from_blocks is None or not packs_from_blocks(gguf_file.file_type)
     with torch.no_grad():
         model = LlamaModel(
             config,
@@ -435,13 +448,14 @@ def load_model(
         with steps:
             model.embed_tokens.copy_(gguf_file.dequantized("token_embd.weight"))
             model.norm.copy_(gguf_file.dequantized("output_norm.weight"))
-            if not config.tie_word_embeddings:
+            if not config.tie_word_embeddings and products:
                 model.lm_head.copy_(gguf_file.dequantized("output.weight"))
             steps.update(1)
             for idx in range(config.num_layers):
-                _fill_layer(model, gguf_file, idx)
+                _fill_layer(model, gguf_file, idx, products=products)
                 steps.update(1)
     model.eval()
+    model.products_unread = not products
     model.block_source = GGUFBlockSource(gguf_file, config)
     logger.info("loaded %s in %.1f s", gguf_file.path.name, time.perf_counter() - started)
     return model, config, tokenizer

@@ -38,7 +38,7 @@ from core_engine.spec_decode.ngram import NgramProposer
 from core_engine.spec_decode.speculator import Speculator
 from core_engine.stop_checker import StopChecker
 from core_engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from core_engine.weight_setup import apply_quantization_policy, pack_weights
+from core_engine.weight_setup import apply_quantization_policy, pack_weights, packs_from_blocks
 
 __all__ = ["LLMEngine"]
 
@@ -266,7 +266,8 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, config.device, config.weight_format)
         # The context window goes to the loader too: LongRoPE models choose their factors by it.
         model, _, tokenizer = load_model(
-            config.model_path, dtype=dtype, device=config.device, max_model_len=config.max_model_len
+            config.model_path, dtype=dtype, device=config.device, max_model_len=config.max_model_len,
+            packs_from_blocks=lambda file_type: packs_from_blocks(config, dtype, file_type),
         )
         pack_weights(model, config, tokenizer)
         draft_model = None
@@ -277,7 +278,8 @@ class LLMEngine:
                 draft_model = model  # its own draft (exactness tests): one copy of the weights
             else:
                 draft_model, _, draft_tokenizer = load_model(
-                    spec.draft_model_path, dtype=dtype, device=config.device, max_model_len=config.max_model_len
+                    spec.draft_model_path, dtype=dtype, device=config.device, max_model_len=config.max_model_len,
+                    packs_from_blocks=lambda file_type: packs_from_blocks(config, dtype, file_type, budget=False),
                 )
                 pack_weights(draft_model, config, draft_tokenizer, budget=False)
                 if draft_tokenizer.stop_token_ids != tokenizer.stop_token_ids:

@@ -17,7 +17,7 @@ from core_engine.config import EngineConfig, resolve_dtype
 from core_engine.policy import QuantizationContext, QuantizationDecision, QuantizationPolicy
 from core_engine.tokenizer import Tokenizer
 
-__all__ = ["apply_quantization_policy", "pack_weights"]
+__all__ = ["apply_quantization_policy", "pack_weights", "packs_from_blocks"]
 
 logger = logging.getLogger("core_engine.llm_engine")
 
@@ -108,6 +108,24 @@ def _describe_formats(formats: dict[str, str]) -> str:
         else:
             parts.extend(f"{layer}.{p}={f}" if layer != "head" else f"head={f}" for p, f in sorted(products.items()))
     return ", ".join(parts)
+
+
+def packs_from_blocks(config: EngineConfig, dtype: Any, file_type: str | None, *, budget: bool = True) -> bool:
+    """Whether :func:`pack_weights` stores every product of a GGUF file of ``file_type`` in a
+    block format (int4/int8, from the file's blocks or requantised from the file): then the
+    loader need not dequantise the products at all (``load_model(packs_from_blocks=...)``).
+    Not with a weight budget, whose sensitivities are measured on the dense weights."""
+    from core_engine.model.linear import resolve_weight_format
+
+    if budget and config.weight_memory_bytes is not None:
+        return False
+    blocks = ("int4", "int8")
+    try:
+        formats = {resolve_weight_format(f, dtype=dtype, device=config.device, file_type=file_type)
+                   for f in (config.weight_format, *(config.layer_weight_formats or {}).values())}
+    except ValueError:
+        return False  # pack_weights refuses it, with the dense weights loaded as before
+    return formats <= set(blocks)
 
 
 def pack_weights(model: Any, config: EngineConfig, tokenizer: Tokenizer, *, budget: bool = True) -> None:

@@ -215,6 +215,9 @@ class LlamaModel(nn.Module):
         self.layer_formats: dict[str, str] = {}
         #: The file's blocks for the int4/int8 formats (set by the GGUF loader).
         self.block_source: BlockSource | None = None
+        #: The loader left the dense products unread (``load_model(packs_from_blocks=...)``):
+        #: only :meth:`set_weight_format` into block formats from ``block_source`` fills them.
+        self.products_unread = False
 
     #: The names :meth:`set_weight_format` matches ``layer_formats`` against (per layer: the
     #: layer class's ``PRODUCTS``; MoE layers have no gate_up/down products).
@@ -254,6 +257,8 @@ class LlamaModel(nn.Module):
             )
             for name in self.product_names()
         }
+        if self.products_unread and (source is None or not set(formats.values()) <= {"int4", "int8"}):
+            raise ValueError("the dense weights were not loaded: only int4/int8 from the file's blocks can be stored")
         if set(formats.values()) == {self.weight_format} and not self.layer_formats:
             return resolved
         if self.weight_format != "dense" or self.layer_formats:

@@ -296,6 +296,21 @@ def test_auto_on_a_4_bit_file_is_int4_with_the_8_bit_head_at_int8_from_the_files
     assert torch.equal(model.layers[3].down.dequantized(), file_weights.float())
     # Resident: the blocks (5/8 byte per int4 weight, 34/32 per int8) + the dense embedding table.
     assert model.resident_weight_bytes() < 0.45 * make_engine(path, weight_format="dense").model_runner.model.resident_weight_bytes()
+    # Every product came from the file's blocks, so the loader never dequantised them (most of
+    # the load's time); such a model can only be packed into block formats.
+    assert model.products_unread
+
+
+def test_a_model_loaded_without_its_dense_products_refuses_a_dense_format() -> None:
+    from core_engine.gguf_loader import load_model
+
+    model, _, _ = load_model(default_model_path(), dtype=torch.float32, packs_from_blocks=lambda file_type: file_type == "Q4_1")
+    assert model.products_unread
+    for weight_format in ("dense", "fp16"):
+        with pytest.raises(ValueError, match="dense weights were not loaded"):
+            model.set_weight_format(weight_format)
+    with pytest.raises(ValueError, match="dense weights were not loaded"):
+        model.set_weight_format("int4", layer_formats={"head": "dense"})
 
 
 def test_smollm2_block_formats_stay_as_close_to_exact_as_llamacpp() -> None:
