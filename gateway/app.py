@@ -25,9 +25,11 @@ from backends.errors import InfermuxError
 from gateway.config.types import ConfigError, InfermuxConfig
 from gateway.config.validate import check_registered_names
 from gateway.controllers import CONTROLLERS, GENERATION_ENDPOINTS, responses_endpoint
+from gateway.http.content_type import json_body_hook
 from gateway.http.endpoint import generation_handlers
 from gateway.http.errors import handle_exception
 from gateway.http.header_limit import header_limit_middleware
+from gateway.http.local_origin import local_origin_middleware
 from gateway.http.openapi import complete_openapi
 from gateway.state import GatewayState
 from plugins.manager import InfermuxPluginManager, PluginHooks, create_plugin_manager
@@ -90,13 +92,19 @@ def create_app(
 
     # The Responses endpoint is built per app: it reads and writes this app's stored responses.
     endpoints = (*GENERATION_ENDPOINTS, responses_endpoint(state.response_store))
+    middleware = [header_limit_middleware(config.limits.max_header_bytes)]
+    if state.key_store.is_open:  # no keys: only local programs, never a web page (403)
+        middleware.append(local_origin_middleware())
     app = Litestar(
         route_handlers=[*generation_handlers(endpoints, state), *CONTROLLERS],
         dependencies={"gateway": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
-        # Header size first (431), then the API key (401/403: the /v1/ controllers' guard,
-        # the generation endpoints' own check), then the handler.
-        middleware=[header_limit_middleware(config.limits.max_header_bytes)],
+        # Header size first (431), in open mode Host and Origin (403), then the API key
+        # (401/403: the /v1/ controllers' guard, the generation endpoints' own check), then
+        # a POST's Content-Type (415: this hook, the generation endpoints' own check), then
+        # the handler.
+        middleware=middleware,
+        before_request=json_body_hook,
         lifespan=[lifespan],
         state=State({"gateway": state}),
         request_max_body_size=config.server.max_body_bytes,

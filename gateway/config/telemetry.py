@@ -38,11 +38,15 @@ class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[telemetry.metrics]``: ``GET /metrics`` is always on; this is the OTel export."""
+    """``[telemetry.metrics]``: what ``GET /metrics`` shows (always on; ``[server]
+    metrics_token_sha256`` may require a token), and the OTel export."""
 
     #: None: export OTel metrics when ``OTEL_METRICS_EXPORTER=otlp|console``, or when an
     #: OTLP endpoint is set and ``OTEL_METRICS_EXPORTER`` is not ``none``. True / False force.
     otel_export: bool | None = None
+    #: Label the series that follow one client (``infermux_cost_total``) by API key id and
+    #: tenant. Off: by model only, so that a scrape says nothing about who spends what.
+    tenant_labels: bool = False
 
 
 class SloConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -48,6 +48,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 4 * 1024 * 1024
     #: On SIGTERM: readiness turns 503 and in-flight requests get this long to finish.
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    #: Hex SHA-256 of the bearer token ``GET /metrics`` requires (``infermux key
+    #: hash`` hashes one); None: the scrape endpoint is public, as ``/health`` and ``/ready``.
+    metrics_token_sha256: str | None = None
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

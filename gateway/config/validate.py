@@ -102,6 +102,13 @@ def _validate(config: InfermuxConfig) -> None:
             raise _fail(f"backends[{i}].max_concurrency", "must be >= 1 (or absent)")
 
     _validate_auth(config.auth)
+    token = config.server.metrics_token_sha256
+    if token is not None and not _SHA256_HEX.fullmatch(token):
+        raise _fail(
+            "server.metrics_token_sha256",
+            "expected the 64 hex digits of a SHA-256 (`infermux key hash` prints it); never "
+            "put the token itself in the config",
+        )
     _validate_plugins(config.plugins)
     if config.state.backend == "redis" and not config.state.url_env:
         raise _fail(

@@ -1,5 +1,11 @@
 """``GET /health`` (liveness) and ``GET /ready`` (readiness: every model has a started
-backend, not draining)."""
+backend, not draining).
+
+Both are public (probes carry no key), so ``/ready`` gives states only: the gateway's, each
+backend's (``ready``, ``loading``, ``failed``, ``restarting``...), each circuit's, and the aliases
+that cannot be served. Why a backend failed or a worker died (exception text, model file paths)
+is in the log, where ``GatewayState`` writes it when it happens.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ class HealthController(Controller):
         elif gateway.load_error is not None or gateway.startup_error is not None:
             status = "failed"
         elif gateway.router is not None:
-            models = gateway.models_without_backend()
+            models = dict.fromkeys(gateway.models_without_backend(), "no started backend")
             status = "unavailable" if models else "ready"
         else:
             status = "loading"
@@ -39,10 +45,14 @@ class HealthController(Controller):
         return Response(
             ReadinessResponse(
                 status=status,
-                backends={name: gateway.backend_state(name) for name in gateway.backend_status},
+                backends={name: _state_word(gateway.backend_state(name)) for name in gateway.backend_status},
                 circuits=circuits,
                 models=models,
-                error=gateway.startup_error or gateway.load_error,
             ),
             status_code=200 if status == "ready" else 503,
         )
+
+
+def _state_word(state: str) -> str:
+    # "failed: FileNotFoundError: /models/x.gguf" -> "failed": the reason is in the log.
+    return state.partition(":")[0]

@@ -10,9 +10,12 @@ which key (or how much of one) matched. Anything else (no key, a wrong one, a ke
 characters or an absurd length) is a 401 ``invalid_api_key``.
 
 Open mode: with no keys configured, nobody needs a key, and therefore only loopback clients
-are served (403 for others), and ``infermux serve`` refuses to listen on a non-loopback
-address (:func:`check_exposure`). Paths outside ``/v1/`` (``/health``, ``/ready``,
-``/metrics``, ``/schema``) are public.
+are served (403 for others), ``infermux serve`` refuses to listen on a non-loopback
+address (:func:`check_exposure`), and requests a web page made a browser send (a ``Host`` or
+``Origin`` that is not a loopback one) are refused on every path
+(:mod:`gateway.http.local_origin`). Paths outside ``/v1/`` (``/health``, ``/ready``,
+``/schema``, and ``/metrics`` unless ``[server] metrics_token_sha256`` asks for a token:
+:func:`token_matches`) are public.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ __all__ = [
     "generate_key",
     "hash_key",
     "is_loopback",
+    "presented_key",
+    "token_matches",
 ]
 
 logger = logging.getLogger("gateway.auth")
@@ -136,6 +141,15 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
             return ""  # present but unusable: a wrong key, not a missing one
         return value.strip()
     return headers.get("x-api-key")
+
+
+def token_matches(presented: str | None, token_sha256: str) -> bool:
+    """``presented`` is the token whose SHA-256 (hex) is ``token_sha256``; compared as the
+    keys are (:meth:`KeyStore.authenticate`), in constant time."""
+    if presented is None or not _is_plausible_key(presented):
+        return False
+    digest = hashlib.sha256(presented.encode("utf-8")).digest()
+    return hmac.compare_digest(bytes.fromhex(token_sha256), digest)
 
 
 def authorize(scope: Scope, headers: Mapping[str, str], store: KeyStore) -> ApiKeyConfig | None:

@@ -8,7 +8,8 @@ guards run through a copy of the handler, response rendering) cost about as much
 everything else the gateway does; the gateway's overhead target is 1 ms per request.
 
 What a client sees is what an ordinary Litestar POST handler gives: ``OPTIONS`` answers 204
-with ``Allow`` (after the API key check), other methods 405 (before it), a body over
+with ``Allow`` (after the API key check), other methods 405 (before it), a body not
+declared ``application/json`` 415 (after the key, before the body is read), a body over
 ``[server] max_body_bytes`` 413, malformed JSON 400 ``invalid_json``, and values the wire
 type refuses 400 naming the parameter (decoded with msgspec as Litestar does: JSON first,
 then a lax conversion, so ``"temperature": "0.5"`` is accepted). The OpenAPI operations are
@@ -29,6 +30,7 @@ from backends.errors import GenerationAbortedError, InvalidRequestError, Request
 from gateway.config.types import ApiKeyConfig, ServerConfig
 from gateway.http.auth import authorize
 from gateway.http.body_check import check_raw_body
+from gateway.http.content_type import require_json
 from gateway.http.errors import MethodNotAllowedError, invalid_body_error
 from gateway.http.request_id import request_id_in
 from gateway.http.respond import BACKEND_HEADER, Generation, respond
@@ -116,6 +118,7 @@ async def _serve(
         await send({"type": "http.response.start", "status": 204, "headers": _ALLOW})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
+    require_json(headers.get("content-type"))
     raw = await _read_body(receive, headers.get("content-length"), gateway.config.server)
     body = _decode(raw, endpoint.body_type)
     check_raw_body(raw)

@@ -50,9 +50,11 @@ __all__ = ["complete_openapi"]
 _DESCRIPTIONS = {
     "400": "Invalid request: the message says what to change and `param` names the field",
     "401": "Missing or invalid API key (`invalid_api_key`)",
-    "403": "Open mode (no API keys configured) serves loopback clients only",
+    "403": "Open mode (no API keys configured) serves programs on this machine only: a "
+    "non-loopback client, `Host` or `Origin` is refused",
     "404": "Unknown model (`model_not_found`) or endpoint",
     "413": "Request body larger than `[server] max_body_bytes`",
+    "415": "Request body not declared `Content-Type: application/json`",
     "429": "Rate limit of the API key, or of the upstream (`Retry-After` says when to retry)",
     "431": "Request headers larger than `[limits] max_header_bytes`",
     "500": "Internal error; the message quotes the request id",
@@ -64,10 +66,10 @@ _DESCRIPTIONS = {
 
 _COMMON = ("431", "500", "default")
 _V1 = ("401", "403")
-_GENERATION = ("400", "404", "413", "429", "502", "503", "504")
+_GENERATION = ("400", "404", "413", "415", "429", "502", "503", "504")
 #: /tokenize and /detokenize: keyed like /v1/, answered by a backend but not admitted.
 _TOKEN_PATHS = ("/tokenize", "/detokenize")
-_TOKENS = ("400", "404", "413", "502", "503")
+_TOKENS = ("400", "404", "413", "415", "502", "503")
 
 
 def complete_openapi(app: Litestar, endpoints: Sequence[GenerationEndpoint[Any]]) -> None:

@@ -34,13 +34,16 @@ backend_kv_cache_capacity_tokens,          gauge      backend (KV capacity; the 
 backend_kv_disk_enabled / _pending_writes             on/off, its write queue)
 backend_kv_disk_invalid_blocks_total,      counter    backend (files that failed their
 _write_errors_total, _load_seconds_total              checks; failed writes; read time)
-cost_total                                 counter    model, api_key, tenant (builtin.cost)
+cost_total                                 counter    model; + api_key, tenant with
+                                                      [telemetry.metrics] tenant_labels
+                                                      (builtin.cost)
 =========================================  =========  =====================================
 
 Only configured model aliases become label values (anything else is ``unknown``), so a
-client cannot grow the label set. OTel instruments: ``gen_ai.server.request.duration``,
-``gen_ai.server.time_to_first_token``, ``gen_ai.server.time_per_output_token``,
-``gen_ai.client.token.usage``.
+client cannot grow the label set. No series here names an API key or a tenant (the scrape
+endpoint may be public), and the prefix-cache figures are per backend, never per tenant.
+OTel instruments: ``gen_ai.server.request.duration``, ``gen_ai.server.time_to_first_token``,
+``gen_ai.server.time_per_output_token``, ``gen_ai.client.token.usage``.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@ Go's template language that deploy/helm/infermux/templates uses, and nothing mor
 
 Supported: ``{{ .Values.a.b }}``, ``.Release.Name`` / ``.Release.Namespace``, ``.Chart.*``,
 string and integer literals, pipelines into ``quote``, ``toYaml``, ``nindent N``,
-``indent N``, the functions ``add`` and ``not``, ``{{- if X }} ... {{- else }} ...
-{{- end }}``, and ``{{-`` / ``-}}`` whitespace trimming. Anything else raises, so a template
-that outgrows this renderer fails its test instead of rendering wrongly.
+``indent N``, the functions ``add``, ``not``, ``lower`` and ``contains SUBSTR S``, ``fail MESSAGE``
+(raises :class:`TemplateFailure`, as ``helm template`` stops with the message),
+``{{- if X }} ... {{- else }} ... {{- end }}``, ``{{/* comments */}}``, and ``{{-`` / ``-}}``
+whitespace trimming. Anything else raises, so a template that outgrows this renderer fails
+its test instead of rendering wrongly.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ from typing import Any
 
 import yaml
 
-__all__ = ["render_chart"]
+__all__ = ["TemplateFailure", "render_chart"]
+
+
+class TemplateFailure(Exception):
+    """A template called ``fail``: Helm refuses to render the chart with these values."""
+
+
+def _fail(message: str) -> str:
+    raise TemplateFailure(message)
 
 _ACTION = re.compile(r"\{\{(-?)\s*(.*?)\s*(-?)\}\}", re.S)
 _WORD = re.compile(r'"(?:[^"\\]|\\.)*"|\S+')
@@ -56,6 +66,9 @@ _FUNCTIONS: dict[str, Any] = {
     "indent": _indent,
     "add": lambda *numbers: sum(int(n) for n in numbers),
     "not": lambda value: not value,
+    "contains": lambda substring, text: str(substring) in ("" if text is None else str(text)),
+    "lower": lambda text: ("" if text is None else str(text)).lower(),
+    "fail": _fail,
 }
 
 
@@ -115,6 +128,8 @@ def render(template: str, context: dict[str, Any]) -> str:
         if kind == "text":
             if emitting():
                 out.append(content)
+        elif content.startswith("/*") and content.endswith("*/"):
+            continue
         elif content.startswith("if "):
             parent = emitting()
             taken = bool(_evaluate(content[3:], context)) if parent else False

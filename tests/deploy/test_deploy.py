@@ -22,11 +22,11 @@ import kubernetes_validate
 import msgspec
 import pytest
 import yaml
-from helm_template import render_chart
+from helm_template import TemplateFailure, render_chart
 
 from gateway.config.load import config_from_dict, load_config
 from gateway.config.types import ConfigError
-from gateway.http.auth import check_exposure
+from gateway.http.auth import check_exposure, generate_key, hash_key
 from gateway.testing import gateway_config, mock_backend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,6 +235,8 @@ def test_compose_gateway_config_loads_and_may_listen_on_all_interfaces() -> None
     assert config.cost.database is not None and config.cost.database.startswith("postgresql://")
     stop = gateway["stop_grace_period"]
     assert int(stop.rstrip("s")) > config.server.drain_timeout_s
+    # The dashboard sums the cost by tenant: the label is off unless the config turns it on.
+    assert config.telemetry.metrics.tenant_labels
 
 
 def test_dashboard_panels_use_metrics_the_gateway_exports(exported_metrics: set[str]) -> None:
@@ -254,9 +256,36 @@ def test_dashboard_panels_use_metrics_the_gateway_exports(exported_metrics: set[
 # -- Helm -----------------------------------------------------------------------------------
 
 
+#: The published demo key of deploy/compose, which the chart's default values carry.
+DEMO_KEY = "sk-infermux-compose-demo"
+
+
+def _own_key_config() -> str:
+    """The chart's default ``config`` with a fresh key in place of the demo one."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    config: str = values["config"]
+    assert hash_key(DEMO_KEY) in config
+    return config.replace(hash_key(DEMO_KEY), hash_key(generate_key()))
+
+
+def test_helm_chart_refuses_the_published_demo_key_unless_the_release_is_a_demo() -> None:
+    with pytest.raises(TemplateFailure, match="DEMO key"):
+        render_chart(CHART)  # the default values, as `helm install` without --set
+    # Upper-case hex is the same digest to the gateway.
+    upper = _own_key_config() + f'[[auth.keys]]\nid = "d"\nkey_sha256 = "{hash_key(DEMO_KEY).upper()}"\n'
+    with pytest.raises(TemplateFailure, match="demo=true"):
+        render_chart(CHART, overrides={"config": upper})
+    own = render_chart(CHART, overrides={"config": _own_key_config()})
+    assert hash_key(DEMO_KEY) not in own["configmap.yaml"][0]["data"]["infermux.toml"]
+    demo = render_chart(CHART, overrides={"demo": True})
+    assert hash_key(DEMO_KEY) in demo["configmap.yaml"][0]["data"]["infermux.toml"]
+
+
 @pytest.mark.parametrize("autoscaling", [False, True])
 def test_helm_chart_renders_manifests_kubernetes_accepts(autoscaling: bool) -> None:
-    rendered = render_chart(CHART, overrides={"autoscaling.enabled": autoscaling})
+    rendered = render_chart(
+        CHART, overrides={"autoscaling.enabled": autoscaling, "config": _own_key_config()}
+    )
     documents = [doc for docs in rendered.values() for doc in docs]
     kinds = sorted(doc["kind"] for doc in documents)
     expected = ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service"]
@@ -270,7 +299,7 @@ def test_helm_chart_renders_manifests_kubernetes_accepts(autoscaling: bool) -> N
 def test_helm_pods_serve_the_configmap_and_drain_within_the_grace_period(
     exported_metrics: set[str],
 ) -> None:
-    rendered = render_chart(CHART, overrides={"autoscaling.enabled": True})
+    rendered = render_chart(CHART, overrides={"autoscaling.enabled": True, "demo": True})
     toml = rendered["configmap.yaml"][0]["data"]["infermux.toml"]
     pod = rendered["deployment.yaml"][0]["spec"]["template"]["spec"]
     container = pod["containers"][0]

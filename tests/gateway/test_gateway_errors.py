@@ -61,7 +61,6 @@ def test_body_over_the_limit_is_413(http: httpx.Client) -> None:
     ("content", "content_type"),
     [
         (b'{"model": "echo", "messages": [', "application/json"),
-        (b"model=echo", "application/x-www-form-urlencoded"),
         (b"", "application/json"),
         (b"[1, 2]", "application/json"),
         (b'{"model": NaN, "messages": []}', "application/json"),
@@ -73,6 +72,16 @@ def test_unparsable_bodies_are_400(http: httpx.Client, content: bytes, content_t
     )
     error = envelope(response, 400)
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_form_body_is_415_naming_content_type(http: httpx.Client) -> None:
+    response = http.post(
+        "/v1/chat/completions",
+        content=b"model=echo",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    error = envelope(response, 415)
+    assert (error["code"], error["param"]) == ("unsupported_media_type", "Content-Type")
 
 
 @pytest.mark.parametrize(

@@ -177,7 +177,8 @@ def test_every_configured_digest_is_compared_whichever_key_is_presented(
 async def test_open_mode_serves_loopback_clients_only(client_host: str, status: int) -> None:
     app = create_app(gateway_config(mock_backend("mock")))
     transport = httpx.ASGITransport(app=app, client=(client_host, 40000))
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+    # A loopback Host: open mode also refuses any other (tests/security).
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
         response = await client.get("/v1/models")
         assert response.status_code == status
         if status == 403:

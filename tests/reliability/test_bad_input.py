@@ -77,7 +77,6 @@ def chat(http: httpx.Client, **fields: Any) -> httpx.Response:
         (b"hello", "application/json"),
         (b'{"model": "echo", "messages": [{"role": "us', "application/json"),
         (b"\x00\xff\xfe\x80garbage", "application/json"),
-        (b"model=echo&messages=hi", "application/x-www-form-urlencoded"),
         (b'{"model": "echo",}', "application/json"),
         (b"", "application/json"),
         (b'"just a string"', "application/json"),
@@ -89,6 +88,15 @@ def test_unparsable_body_is_400(http: httpx.Client, content: bytes, content_type
     )
     error = envelope(response, 400)
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_form_body_is_415_before_it_is_read(http: httpx.Client) -> None:
+    response = http.post(
+        "/v1/chat/completions",
+        content=b"model=echo&messages=hi",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert envelope(response, 415)["code"] == "unsupported_media_type"
 
 
 # -- hostile JSON -------------------------------------------------------------------------

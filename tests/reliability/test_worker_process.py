@@ -190,7 +190,7 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_frame(
 
 
 def test_ready_and_metrics_say_when_a_worker_is_down(
-    live_gateway: Any, monkeypatch: pytest.MonkeyPatch
+    live_gateway: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A longer first back-off, so that the "restarting" state lasts long enough to be seen.
     monkeypatch.setattr(worker_supervisor, "_BACKOFF_FIRST_S", 3.0)
@@ -208,8 +208,11 @@ def test_ready_and_metrics_say_when_a_worker_is_down(
         assert ready.status_code == 503
         body = ready.json()
         assert body["status"] == "unavailable"
-        assert "SIGKILL" in body["models"]["only_worker"]
-        assert "other" not in body["models"]
+        assert body["models"] == {"only_worker": "no started backend"}
+        assert body["backends"] == {"w": "restarting", "other": "ready"}
+        # States only on the public probe; why the worker died is in the log.
+        assert "SIGKILL" not in ready.text
+        assert "was killed by SIGKILL" in caplog.text
         metrics = httpx.get(f"{gw}/metrics").text
         assert 'infermux_backend_worker_up{backend="w"} 0.0' in metrics
         error = httpx.post(
@@ -376,7 +379,7 @@ def test_a_killed_engine_process_falls_back_turns_unready_restarts_and_serves_ag
     os.kill(backend.pid or 0, signal.SIGKILL)
     wait_until(lambda: backend.state == "restarting", timeout_s=10)
     ready = httpx.get(f"{gw}/ready")
-    assert ready.status_code == 503 and "SIGKILL" in ready.json()["models"]["core"]
+    assert ready.status_code == 503 and ready.json()["backends"]["core"] == "restarting"
     for thread in threads:
         thread.join(timeout=120)
         assert not thread.is_alive(), "a request hung after the engine process died"
@@ -401,8 +404,8 @@ def test_a_killed_engine_process_falls_back_turns_unready_restarts_and_serves_ag
 # -- start-up: ready means ready ---------------------------------------------------------------
 
 
-def test_ready_is_503_with_the_reason_while_a_model_has_no_started_backend(
-    live_gateway: Any, tmp_path: Path
+def test_ready_is_503_naming_the_model_while_it_has_no_started_backend(
+    live_gateway: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     missing = str(tmp_path / "missing.gguf")
     config = gateway_config(
@@ -417,8 +420,10 @@ def test_ready_is_503_with_the_reason_while_a_model_has_no_started_backend(
         assert ready.status_code == 503
         body = ready.json()
         assert body["status"] == "unavailable"
-        assert set(body["models"]) == {"needs_broken"}
-        assert "model file not found" in body["models"]["needs_broken"]
+        assert body["models"] == {"needs_broken": "no started backend"}
+        assert body["backends"] == {"broken": "failed", "fine": "ready"}
+        # The reason, with the model file's path, goes to the log, not to the public probe.
+        assert missing not in ready.text and "model file not found" in caplog.text
         assert_still_serving(gw, model="served")
 
 

@@ -34,11 +34,10 @@ class ReadinessResponse(msgspec.Struct, frozen=True, kw_only=True):
     (a model has no started backend) (503)."""
 
     status: str
-    #: Backend name -> "ready" | "loading" | "failed: <why>" | "restarting: <why>" (a worker).
+    #: Backend name -> "ready" | "loading" | "failed" | a worker's "starting" / "restarting" /
+    #: "stopped". States only (the endpoint is public): the reasons are in the log.
     backends: dict[str, str]
     #: Backend name -> circuit state ("closed" | "open" | "half_open"), once routing runs.
     circuits: dict[str, str] = {}
-    #: Alias -> why it cannot be served now ("no started backend: ..."), for each such alias.
+    #: Alias -> "no started backend", for each alias that cannot be served now.
     models: dict[str, str] = {}
-    #: Why infermux failed to start, when it did.
-    error: str | None = None

@@ -14,6 +14,10 @@ Hooks, in the order a request meets them:
 One record per HTTP request (not per choice): its tokens are the usage the client got; its
 cost is what the backends were paid, each choice's own tokens at its backend's prices plus
 the per-hour shares of every try.
+
+``infermux_cost_total`` on ``GET /metrics`` is labelled by model; by API key id and tenant as
+well only with ``[telemetry.metrics] tenant_labels = true`` (the scrape endpoint may be public:
+who spends what is not its business unless the operator says so).
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from plugins.builtin.cost.budget import BudgetBook
 from plugins.builtin.cost.config import BudgetConfig, CostConfig
 from plugins.builtin.cost.ledger import Ledger, LedgerError, UsageLedger, UsageRecord
 from plugins.builtin.cost.pricing import PriceBook, ShareMeter
+from plugins.builtin.metric_series import CounterSeries, SeriesCollector
 from plugins.hookspecs import hookimpl
 from plugins.request_summary import http_request_id
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry, Counter
+    from prometheus_client import CollectorRegistry
 
     from backends.base import GenerationRequest
     from backends.errors import InfermuxError
@@ -50,6 +55,8 @@ logger = logging.getLogger("plugins.cost")
 #: Overrides ``[cost] ledger_path``.
 ENV_LEDGER_PATH = "INFERMUX_LEDGER_PATH"
 DEFAULT_LEDGER_PATH = Path("var") / "ledger.sqlite3"
+_COST_METRIC = "infermux_cost"
+_COST_HELP = "Cost of the requests that reached a backend ([cost] currency)"
 
 
 def resolve_ledger_path(cost: CostConfig, env: Mapping[str, str] = os.environ) -> Path:
@@ -90,27 +97,22 @@ class CostPlugin:
         self.currency = "USD"
         self._meter = ShareMeter()
         self._pending: dict[str, _Pending] = {}
-        self._cost_total: Counter | None = None
-        #: (model, api key id, tenant) -> that series of ``_cost_total``.
-        self._cost_children: dict[tuple[str, str, str], Any] = {}
+        #: ``infermux_cost_total``: by model, or by model, API key id and tenant.
+        self._cost_total = CounterSeries(_COST_METRIC, _COST_HELP, ["model"])
+        self._tenant_labels = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
     @hookimpl
     def infermux_register_metrics(self, registry: CollectorRegistry) -> None:
-        from prometheus_client import Counter
-
-        self._cost_total = Counter(
-            "infermux_cost",
-            "Cost of the requests that reached a backend ([cost] currency), by model, API key "
-            "id and tenant",
-            ["model", "api_key", "tenant"],
-            registry=registry,
-        )
-        self._cost_children.clear()
+        self._cost_total.values.clear()
+        registry.register(SeriesCollector([self._cost_total]))
 
     @hookimpl
     async def infermux_startup(self, config: InfermuxConfig) -> None:
+        self._tenant_labels = config.telemetry.metrics.tenant_labels
+        if self._tenant_labels:  # before any request: the series holds no values yet
+            self._cost_total.labelnames = ["model", "api_key", "tenant"]
         cost = config.cost
         if not cost.enabled:
             return
@@ -221,12 +223,10 @@ class CostPlugin:
         await self.budgets.charge(
             api_key_id=record.api_key_id, tenant=record.tenant, cost=cost, at=record.created_at
         )
-        if self._cost_total is not None:
-            labels = (record.model, record.api_key_id or "none", record.tenant or "none")
-            counter = self._cost_children.get(labels)
-            if counter is None:  # labels() costs more than the rest of this hook
-                counter = self._cost_children[labels] = self._cost_total.labels(*labels)
-            counter.inc(cost)
+        if self._tenant_labels:
+            self._cost_total.inc((record.model, record.api_key_id or "none", record.tenant or "none"), cost)
+        else:
+            self._cost_total.inc((record.model,), cost)
 
     def _leave(self, pending: _Pending, model: str, key: Hashable) -> None:
         backend = pending.in_flight.pop(key)
