@@ -1,24 +1,40 @@
-"""The disk tier of the KV cache: one file per block, named by the block's chained prefix hash.
+"""The disk tier of the KV cache: one file per block, named by a keyed hash of its prefix hash.
 
 A block hash (16 bytes, :func:`core_engine.kv_cache_manager.hash_block_tokens`) names a block
-*and* every token before it, so a file's name says everything about its content; the payload
-is the block's raw bytes as the engine lays them out. Files outlive the process: a new
+*and* every token before it; a file's name is that hash keyed with the installation's secret
+(:func:`~core_engine.kv_offload.block_file.block_file_id`), so that the name still says
+everything about the content to this store and nothing to anyone without the secret. The
+payload is the block's raw bytes as the engine lays them out. Files outlive the process: a new
 :class:`DiskKVStore` on the same directory finds the blocks of the previous one.
 
 Layout::
 
-    <directory>/<fingerprint hex>/          one folder per model (see model_fingerprint)
-        .lock                               flock'ed by the one store using the folder
-        <block hash hex>.kv                 a block file (format: block_file)
-        <block hash hex>.kv.tmp             a write in progress; removed at start
+    <directory>/                            0700, this user's (else the store stays off)
+        secret                              32 random bytes, 0600: keys names and MACs
+        <fingerprint hex>/                  0700, one folder per model (see model_fingerprint)
+            .lock                           flock'ed by the one store using the folder
+            <file id hex>.kv                a block file, 0600 (format: block_file)
+            <file id hex>.kv.tmp            a write in progress; removed at start
 
-A block file is a fixed header (magic, format version, model fingerprint, block hash, payload
-length, payload checksum), then the payload: :mod:`core_engine.kv_offload.block_file`. A load
-is valid only when every header field matches and the checksum agrees. Anything else (a torn
-or truncated file, flipped bits, a file from another model, a file renamed or copied in
-under another block's name) is *invalid*: it is never returned as data; its file is deleted,
-it leaves the index and counts in ``num_invalid``. Files of the wrong size are dropped the same
-way at start-up, from a ``stat`` alone.
+The secret belongs to ``<directory>`` (created by the first store to use it, never replaced):
+every model's folder under it shares it, and a directory copied elsewhere with its secret
+keeps its blocks. Deleting the secret drops every block under it (they become unreadable
+orphans that the LRU deletes).
+
+Privacy: the blocks hold the prompts (layer-0 keys and values invert to tokens), so
+``<directory>`` and the model folder must be owned by this user with no group/other
+permission; a missing one is created ``0700``; any other state turns the store off with a
+reason naming the path (:func:`core_engine.private_files.private_dir`). Files are created
+``0600`` with ``O_EXCL | O_NOFOLLOW``.
+
+A block file is a fixed header (magic, format version, model fingerprint, file id, payload
+length, MAC), then the payload: :mod:`core_engine.kv_offload.block_file`. A load is valid only
+when every header field matches and the MAC (keyed with the secret, over the header, the
+block hash and the payload) agrees. Anything else (a torn or truncated file, flipped bits, a
+file from another model, a file renamed or copied in under another block's name, a file
+written with another secret, a link) is *invalid*: it is never returned as data; its file is
+deleted, it leaves the index and counts in ``num_invalid``. Files of the wrong size, links and
+files of another owner are dropped the same way at start-up, from a ``stat`` alone.
 
 Contract:
 
@@ -70,17 +86,29 @@ from typing import TypedDict
 from core_engine.kv_offload.block_file import (
     DIGEST_NBYTES,
     HEADER_NBYTES,
+    block_file_id,
     encode_header,
     read_block_file,
 )
+from core_engine.private_files import create_exclusive, installation_secret, private_dir
 
-__all__ = ["DiskKVStore", "DiskKVStoreStats"]
+__all__ = ["SECRET_NAME", "DiskKVStore", "DiskKVStoreStats", "disk_tier_secret"]
 
 _logger = logging.getLogger(__name__)
 
 _BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kv")
 _TMP_SUFFIX = ".tmp"
 _LOCK_NAME = ".lock"
+#: The installation secret's file in the store's directory (see the module docstring).
+SECRET_NAME = "secret"
+
+
+def disk_tier_secret(directory: str | os.PathLike[str]) -> bytes:
+    """The secret that keys the names and MACs of the block files under ``directory`` (a
+    disk tier's ``kv_disk_dir``), created on first use; the directory is checked (and
+    created) private first. Raises ``OSError`` (``UnsafePathError`` for a directory or
+    secret file others control)."""
+    return installation_secret(private_dir(directory) / SECRET_NAME)
 
 
 class DiskKVStoreStats(TypedDict):
@@ -95,7 +123,7 @@ class DiskKVStoreStats(TypedDict):
     bytes_written: int
     num_reads: int  # valid loads from disk (loads answered from the write queue not included)
     bytes_read: int
-    num_invalid: int  # block files found invalid and deleted (at start or on a load)
+    num_invalid: int  # block files found invalid (wrong MAC, size, owner...) and deleted
     num_write_errors: int  # 0 or 1: the first one disables the store
     num_dropped_puts: int  # puts dropped because max_pending_writes were already queued
 
@@ -121,8 +149,9 @@ class DiskKVStore:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if max_pending_writes < 1:
             raise ValueError(f"max_pending_writes must be >= 1, got {max_pending_writes}")
+        self.root = Path(directory)
         #: The model's own folder: ``<directory>/<fingerprint hex>``.
-        self.directory = Path(directory) / fingerprint.hex()
+        self.directory = self.root / fingerprint.hex()
         self.fingerprint = fingerprint
         self.block_nbytes = block_nbytes
         self.file_nbytes = HEADER_NBYTES + block_nbytes
@@ -133,17 +162,20 @@ class DiskKVStore:
         self.disabled_reason: str | None = None
         self._logger = logger or _logger
         self._dir = str(self.directory)
+        self._secret = b""  # read from the directory at start-up
 
         self._lock = threading.Lock()
         self._write_cv = threading.Condition(self._lock)  # writer work, and flush() waiters
         self._read_cv = threading.Condition(self._lock)
-        # hash -> generation (a new number per file written or found), least recently used first
+        # The files, by file id (block_file_id: all a file's name tells) -> generation (a new
+        # number per file written or found), least recently used first.
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._generations = itertools.count()
-        self._pending: OrderedDict[bytes, bytes] = OrderedDict()  # the write queue, oldest first
-        self._unlinks: deque[bytes] = deque()  # files that left the index, for the writer to delete
-        self._touched: set[bytes] = set()  # hits whose mtime the writer refreshes
-        self._loads: deque[bytes] = deque()
+        # The write queue, oldest first: block hash -> payload.
+        self._pending: OrderedDict[bytes, bytes] = OrderedDict()
+        self._unlinks: deque[bytes] = deque()  # file ids that left the index, for the writer
+        self._touched: set[bytes] = set()  # file ids of hits whose mtime the writer refreshes
+        self._loads: deque[bytes] = deque()  # block hashes
         self._loaded: list[tuple[bytes, bytes | None]] = []
         self._writer_busy = False
         self._stopping = False
@@ -178,8 +210,11 @@ class DiskKVStore:
     # -- the caller's side: in-memory bookkeeping only ---------------------------------------
 
     def __contains__(self, block_hash: object) -> bool:
+        if not isinstance(block_hash, bytes):
+            return False
+        file_id = self._file_id(block_hash)
         with self._lock:
-            return self.enabled and (block_hash in self._index or block_hash in self._pending)
+            return self.enabled and (file_id in self._index or block_hash in self._pending)
 
     def put(self, block_hash: bytes, payload: bytes | bytearray | memoryview) -> None:
         """Queue one block for writing; ignored when held, queued, the queue is full or disabled.
@@ -191,20 +226,22 @@ class DiskKVStore:
             raise ValueError(
                 f"payload must be block_nbytes={self.block_nbytes} bytes, got {nbytes}"
             )
+        file_id = self._file_id(block_hash)
         with self._lock:
-            if not self._accepts(block_hash):
+            if not self._accepts(block_hash, file_id):
                 return
         data = bytes(payload)  # no copy for bytes; a copy of a buffer the caller will reuse
         with self._lock:
-            if self._accepts(block_hash):
+            if self._accepts(block_hash, file_id):
                 self._pending[block_hash] = data
                 self._write_cv.notify_all()
 
     def request_load(self, block_hashes: Iterable[bytes]) -> None:
         """Queue reads; each hash is answered once by a later :meth:`poll_loaded`."""
+        requested = [(block_hash, self._file_id(block_hash)) for block_hash in block_hashes]
         with self._lock:
-            for block_hash in block_hashes:
-                if self.enabled and block_hash in self._index:
+            for block_hash, file_id in requested:
+                if self.enabled and file_id in self._index:
                     self._loads.append(block_hash)
                 else:  # still queued for writing, or unknown
                     pending = self._pending.get(block_hash) if self.enabled else None
@@ -219,20 +256,22 @@ class DiskKVStore:
 
     def touch(self, block_hash: bytes) -> None:
         """Mark a block recently used (a hit elsewhere), so that it is evicted later."""
+        file_id = self._file_id(block_hash)
         with self._lock:
-            if self.enabled and block_hash in self._index:
-                self._index.move_to_end(block_hash)
-                self._touched.add(block_hash)
+            if self.enabled and file_id in self._index:
+                self._index.move_to_end(file_id)
+                self._touched.add(file_id)
                 self._write_cv.notify_all()
 
     def discard(self, block_hash: bytes) -> None:
         """Forget a block: drop its queued write, delete its file."""
+        file_id = self._file_id(block_hash)
         with self._lock:
             if not self.enabled:
                 return
             self._pending.pop(block_hash, None)
-            if self._index.pop(block_hash, None) is not None:
-                self._unlinks.append(block_hash)
+            if self._index.pop(file_id, None) is not None:
+                self._unlinks.append(file_id)
                 self._write_cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -287,8 +326,8 @@ class DiskKVStore:
 
     # -- state changes (call with the lock held) ---------------------------------------------
 
-    def _accepts(self, block_hash: bytes) -> bool:
-        if not self.enabled or block_hash in self._index or block_hash in self._pending:
+    def _accepts(self, block_hash: bytes, file_id: bytes) -> bool:
+        if not self.enabled or file_id in self._index or block_hash in self._pending:
             return False
         if len(self._pending) >= self.max_pending_writes:
             self._num_dropped_puts += 1
@@ -322,10 +361,12 @@ class DiskKVStore:
     # -- start-up ----------------------------------------------------------------------------
 
     def _open_directory(self) -> str | None:
-        """Create, lock and probe the folder, index its block files; a reason to stay off."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Create (private), lock and probe the folder, index its block files; a reason to
+        stay off. Raises ``OSError`` (``UnsafePathError`` naming a folder others control)."""
+        self._secret = disk_tier_secret(self.root)
+        private_dir(self.directory)
         lock_path = os.path.join(self._dir, _LOCK_NAME)
-        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -333,12 +374,14 @@ class DiskKVStore:
         except OSError as exc:  # no flock on this file system (some NFS): go on unguarded
             self._logger.debug("KV disk tier: no lock on %s: %s", self._dir, exc)
         probe = os.path.join(self._dir, "probe" + _TMP_SUFFIX)
-        with open(probe, "wb") as f:
+        _remove(probe)
+        with os.fdopen(create_exclusive(probe), "wb") as f:
             f.write(b"\0")
         os.unlink(probe)
 
         found: list[tuple[int, str]] = []
         num_tmp = num_invalid = 0
+        uid = os.geteuid()
         with os.scandir(self._dir) as entries:
             for entry in entries:
                 if entry.name.endswith(_TMP_SUFFIX):  # a write cut short by a kill
@@ -346,7 +389,11 @@ class DiskKVStore:
                     num_tmp += 1
                 elif _BLOCK_NAME.fullmatch(entry.name):
                     st = entry.stat(follow_symlinks=False)
-                    if entry.is_file(follow_symlinks=False) and st.st_size == self.file_nbytes:
+                    if (
+                        entry.is_file(follow_symlinks=False)
+                        and st.st_size == self.file_nbytes
+                        and st.st_uid == uid
+                    ):
                         found.append((st.st_mtime_ns, entry.name))
                     else:
                         _remove(entry.path)
@@ -361,7 +408,7 @@ class DiskKVStore:
         if num_tmp or num_invalid or excess:
             self._logger.info(
                 "KV disk tier %s: removed %d unfinished writes, %d files of the wrong size, "
-                "%d blocks over capacity",
+                "type or owner, %d blocks over capacity",
                 self._dir, num_tmp, num_invalid, excess,
             )
         return None
@@ -380,8 +427,15 @@ class DiskKVStore:
             self._logger.exception("KV disk tier: %s failed", threading.current_thread().name)
             self._disable(f"{threading.current_thread().name} failed: {exc!r}")
 
-    def _path(self, block_hash: bytes) -> str:
-        return os.path.join(self._dir, block_hash.hex() + ".kv")
+    def _file_id(self, block_hash: bytes) -> bytes:
+        return block_file_id(self._secret, block_hash)
+
+    def _path(self, file_id: bytes) -> str:
+        return os.path.join(self._dir, file_id.hex() + ".kv")
+
+    def path_of(self, block_hash: bytes) -> Path:
+        """Where ``block_hash``'s file is (or would be)."""
+        return Path(self._path(self._file_id(block_hash)))
 
     def _write_loop(self) -> None:
         while True:
@@ -405,11 +459,11 @@ class DiskKVStore:
                     while len(self._index) >= self.max_blocks:
                         unlinks.append(self._index.popitem(last=False)[0])
             try:
-                for block_hash in unlinks:
-                    _remove(self._path(block_hash))
-                for block_hash in touched:
+                for file_id in unlinks:
+                    _remove(self._path(file_id))
+                for file_id in touched:
                     with contextlib.suppress(OSError):  # best effort: only orders a restart's LRU
-                        os.utime(self._path(block_hash))
+                        os.utime(self._path(file_id), follow_symlinks=False)
                 if write is not None:
                     self._write_block(*write)
             except OSError as exc:
@@ -419,11 +473,13 @@ class DiskKVStore:
                 return
 
     def _write_block(self, block_hash: bytes, data: bytes) -> None:
-        path = self._path(block_hash)
+        file_id = self._file_id(block_hash)
+        path = self._path(file_id)
         tmp = path + _TMP_SUFFIX
-        header = encode_header(self.fingerprint, block_hash, data)
+        header = encode_header(self._secret, self.fingerprint, block_hash, data)
+        _remove(tmp)  # the folder is this user's alone: only a leftover of ours can be there
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(create_exclusive(tmp), "wb") as f:
                 f.write(header)
                 f.write(data)
             os.replace(tmp, path)
@@ -435,7 +491,7 @@ class DiskKVStore:
             still_wanted = self._pending.get(block_hash) is data
             if still_wanted:
                 del self._pending[block_hash]
-                self._index[block_hash] = next(self._generations)
+                self._index[file_id] = next(self._generations)
             self._num_writes += 1
             self._bytes_written += self.file_nbytes
         if not still_wanted:  # discarded while being written
@@ -449,12 +505,14 @@ class DiskKVStore:
                 if not self.enabled or self._stopping:
                     return
                 block_hash = self._loads.popleft()
-                generation = self._index.get(block_hash)
+                file_id = self._file_id(block_hash)
+                generation = self._index.get(file_id)
                 if generation is None:  # discarded or evicted since it was requested
                     self._loaded.append((block_hash, self._pending.get(block_hash)))
                     continue
             data, problem = read_block_file(
-                self._path(block_hash),
+                self._path(file_id),
+                secret=self._secret,
                 fingerprint=self.fingerprint,
                 block_hash=block_hash,
                 payload_nbytes=self.block_nbytes,
@@ -466,13 +524,13 @@ class DiskKVStore:
                 elif data is not None:
                     self._num_reads += 1
                     self._bytes_read += self.file_nbytes
-                    if block_hash in self._index:
-                        self._index.move_to_end(block_hash)
-                        self._touched.add(block_hash)
+                    if file_id in self._index:
+                        self._index.move_to_end(file_id)
+                        self._touched.add(file_id)
                         self._write_cv.notify_all()
-                elif self._index.get(block_hash) == generation:  # not a file evicted meanwhile
-                    del self._index[block_hash]
-                    self._unlinks.append(block_hash)
+                elif self._index.get(file_id) == generation:  # not a file evicted meanwhile
+                    del self._index[file_id]
+                    self._unlinks.append(file_id)
                     self._write_cv.notify_all()
                     self._num_invalid += 1
                     first_invalid = not self._warned_invalid
@@ -484,7 +542,7 @@ class DiskKVStore:
             self._logger.log(
                 logging.WARNING if first_invalid else logging.DEBUG,
                 "KV disk tier: dropped invalid block file %s (%s)%s",
-                self._path(block_hash), problem,
+                self._path(file_id), problem,
                 "; further ones are logged at debug level" if first_invalid else "",
             )
             with self._lock:

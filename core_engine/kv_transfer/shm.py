@@ -9,6 +9,12 @@ dead senders that nobody waits for are unlinked by the next sender or receiver t
 by every receive that times out (:func:`unlink_orphans`). Segments are not left to Python's
 resource tracker, which would unlink a segment at the exit of any process that opened it.
 
+Both engines run as one user. A segment is created ``0600``; one of another user is never
+read, unlinked nor overwritten: the sweep passes over it, and a transfer whose name it holds
+fails with a :class:`KVTransferError` that names it and its owner (another user who planted
+a segment under a predictable name could otherwise hand the decode engine its own KV, or
+make every start-up fail on a ``PermissionError``).
+
 Header: ``<8s B 3x I I Q d``: magic, state (0 writing, 1 complete), sender pid, metadata
 bytes, payload bytes, creation time (``time.time()``).
 """
@@ -76,6 +82,26 @@ def _unlink(name: str) -> None:
         pass
 
 
+def _foreign_owner(name: str) -> int | None:
+    """The uid owning segment ``name`` when it is another user's (None: ours, or none)."""
+    if not _SHM_DIR.is_dir():  # no file system view of the segments (macOS): opening tells
+        return None
+    try:
+        uid = os.stat(_SHM_DIR / name).st_uid
+    except FileNotFoundError:
+        return None
+    return None if uid == os.geteuid() else uid
+
+
+def _not_ours(name: str, transfer_id: str, uid: int | None) -> KVTransferError:
+    owner = "another user" if uid is None else f"uid {uid}"
+    return KVTransferError(
+        f"KV transfer {transfer_id!r}: the shared-memory segment {name} belongs to {owner}, "
+        f"not to this user (uid {os.geteuid()}); refusing to use it (its owner or root can "
+        f"remove /dev/shm/{name})"
+    )
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -93,8 +119,10 @@ def unlink_orphans() -> list[str]:
     removed = []
     for path in _SHM_DIR.glob(_PREFIX + "*"):
         try:
+            if path.stat().st_uid != os.geteuid():  # another user's: not ours to judge
+                continue
             segment = _open(path.name)
-        except (FileNotFoundError, ValueError, OSError):
+        except (ValueError, OSError):
             continue
         try:
             if segment.size < _HEADER.size:
@@ -103,7 +131,10 @@ def unlink_orphans() -> list[str]:
         finally:
             segment.close()
         if magic == _MAGIC and not _pid_alive(pid):
-            _unlink(path.name)
+            try:
+                _unlink(path.name)
+            except OSError:  # replaced by another user's meanwhile
+                continue
             removed.append(path.name)
     return removed
 
@@ -124,8 +155,14 @@ class ShmKVSender:
         payload_len = sum(b.nbytes for b in buffers)
         name = segment_name(transfer_id)
         self._expire()
-        _unlink(name)  # a stale segment of the same id (a retried transfer)
+        uid = _foreign_owner(name)
+        if uid is not None:
+            raise _not_ours(name, transfer_id, uid)
         try:
+            _unlink(name)  # a stale segment of the same id (a retried transfer)
+        except PermissionError as exc:  # another user's, where there is no /dev/shm to ask
+            raise _not_ours(name, transfer_id, None) from exc
+        try:  # O_EXCL: a segment planted since is never written into
             segment = _open(name, size=_HEADER.size + len(meta) + max(1, payload_len))
         except OSError as exc:
             raise KVTransferError(f"cannot create shared memory for the KV transfer: {exc}") from exc
@@ -193,6 +230,12 @@ class ShmKVReceiver:
             segment = _open(name)
         except FileNotFoundError:
             return None
+        except PermissionError as exc:  # another user's segment (0600)
+            raise _not_ours(name, transfer_id, _foreign_owner(name)) from exc
+        uid = os.fstat(segment._fd).st_uid  # type: ignore[attr-defined]
+        if uid != os.geteuid():  # readable (we are root, or its owner opened it up): not ours
+            segment.close()
+            raise _not_ours(name, transfer_id, uid)
         try:
             if segment.size < _HEADER.size:
                 return None  # created, header not written yet

@@ -11,7 +11,9 @@ the same 404 as for an id that never existed). In open mode (no keys) the key is
 
 Retention is bounded: rows older than ``max_age_s`` and, per key, all but the newest
 ``max_per_key`` are deleted when a response is stored. The file is opened on first use, so
-a gateway that never stores a response creates nothing. Calls are short SQLite statements
+a gateway that never stores a response creates nothing; it is created ``0600`` in a ``0700``
+folder, and a folder or file that another user controls is refused
+(:mod:`core_engine.private_files`). Calls are short SQLite statements
 made on the caller's thread (a busy database waits at most ``_BUSY_TIMEOUT_S``).
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 import msgspec
 
 from backends.errors import InfermuxError
+from core_engine.private_files import private_dir, private_file
 
 __all__ = ["ResponseStore", "StoredResponse"]
 
@@ -72,7 +75,9 @@ class ResponseStore:
     def _connect(self) -> sqlite3.Connection:
         if self._connection is None:
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                # The responses people were given: this user's alone (core_engine.private_files).
+                private_dir(self.path.parent)
+                private_file(self.path)
                 connection = sqlite3.connect(
                     self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
                 )

@@ -45,7 +45,7 @@ def payload(i: int, nbytes: int = BLOCK) -> bytes:
 
 
 def block_file(store: DiskKVStore, block_hash: bytes) -> Path:
-    return store.directory / f"{block_hash.hex()}.kv"
+    return store.path_of(block_hash)
 
 
 def load(
@@ -133,7 +133,7 @@ def test_round_trip(open_store: OpenStore) -> None:
     assert stats["bytes_used"] == stats["bytes_written"] == stats["bytes_read"] == 5 * FILE
     assert stats["num_invalid"] == stats["pending_writes"] == stats["num_dropped_puts"] == 0
     assert sorted(p.name for p in store.directory.glob("*.kv")) == sorted(
-        f"{bh(i).hex()}.kv" for i in range(5)
+        store.path_of(bh(i)).name for i in range(5)
     )
 
 
@@ -416,7 +416,8 @@ def test_a_process_killed_while_writing_leaves_only_whole_blocks(
         directory, capacity_bytes=32 * nbytes, fingerprint=bytes(16), block_nbytes=nbytes
     )
     assert not list(store.directory.glob("*.tmp"))
-    hashes = [bytes.fromhex(p.name[:32]) for p in store.directory.glob("*.kv")]
+    by_name = {store.path_of(bh(i)).name: bh(i) for i in range(100_000)}  # names are keyed
+    hashes = [by_name[p.name] for p in store.directory.glob("*.kv")]
     assert hashes and len(hashes) == store.stats()["num_blocks"]
     for block_hash, data in load(store, hashes).items():
         assert data is not None
@@ -502,7 +503,7 @@ def test_a_full_disk_turns_the_store_off(
 ) -> None:
     small = tmp_path / "small"
     small.mkdir()
-    mount("-t", "tmpfs", "-o", "size=256k", "tmpfs", target=small)
+    mount("-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", target=small)  # private
     nbytes = 16 << 10
     store = open_store(small, capacity_bytes=64 << 20, block_nbytes=nbytes)
     assert store.enabled

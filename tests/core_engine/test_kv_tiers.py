@@ -21,6 +21,8 @@ import pytest
 from backends.default_model import default_model_path
 from core_engine.kv_cache_manager import hash_block_tokens
 from core_engine.kv_offload.block_copy import tier_block_nbytes
+from core_engine.kv_offload.block_file import block_file_id
+from core_engine.kv_offload.disk_store import SECRET_NAME, disk_tier_secret
 from core_engine.llm_engine import LLMEngine
 from core_engine.output import RequestOutput
 from core_engine.policy import KVOffloadContext, KVOffloadDecision
@@ -91,7 +93,8 @@ def block_file(directory: Path, prefix: list[int], block_index: int) -> Path:
     for i in range(block_index + 1):
         h = hash_block_tokens(h, prefix[i * BS : (i + 1) * BS])
     assert h is not None
-    (path,) = [p for p in tier_files(directory) if p.name == f"{h.hex()}.kv"]
+    name = f"{block_file_id(disk_tier_secret(directory), h).hex()}.kv"  # names are keyed
+    (path,) = [p for p in tier_files(directory) if p.name == name]
     return path
 
 
@@ -225,6 +228,7 @@ def test_files_of_another_model_file_are_never_used(tiny: LLMEngine, tiny_path: 
     (model_b_dir,) = [d for d in (tmp_path / "b").iterdir() if d.is_dir()]
     for path in tier_files(tmp_path / "a"):
         shutil.copy(path, model_b_dir / path.name)
+    shutil.copy(tmp_path / "a" / SECRET_NAME, tmp_path / "b" / SECRET_NAME)  # one installation
     other.close()  # the store indexes files at start: open B again to see the copies
     other = engine_like(other, kv_disk_dir=str(tmp_path / "b"))
     results = [generate(other, p + [1]) for p in prefixes]
@@ -290,7 +294,7 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     d.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(d)], check=False)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(d)], check=False)
     if mounted.returncode != 0:
         pytest.skip("this machine refused to mount a tmpfs")
     try:

@@ -7,6 +7,15 @@ features and the compiler flags (``-march=native``: the instructions this CPU ha
 AVX-512 VNNI or AMX, are chosen by the compiler's macros in the source), so a machine compiles
 each once (~30 s on 2 cores) and later processes load the shared library. A file lock keeps
 concurrent first uses (e.g. several gateway workers) from building it twice.
+
+Loading a library runs its code, so the cache is this user's alone: the ``kernels`` folder is
+created ``0700`` and refused (:class:`KernelBuildError` naming it) when another user owns it
+or group/other may write to it. Each build goes to a fresh private temporary folder; the
+library is moved into place ``0600`` and its SHA-256 is written beside it
+(``<library>.sha256``, ``0600``). Before a load, the library and that record must be regular
+files of this user that group/other cannot write (else refused: someone else put them there)
+and the library's hash must match the record (else, e.g. a library of an older version with
+no record, a build cut short or a changed file: it is rebuilt).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from functools import cache
 from pathlib import Path
@@ -28,6 +38,12 @@ from types import ModuleType
 import torch
 
 from core_engine.cpu_features import cpu_flags
+from core_engine.private_files import (
+    UnsafePathError,
+    check_owned_file,
+    private_dir,
+    write_private_file,
+)
 
 __all__ = ["KernelBuildError", "cpu_extension"]
 
@@ -65,6 +81,53 @@ def _compile_command(source: Path, module: str, output: Path, march: str = "nati
     ]
 
 
+def _recorded_hash(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _build(source: Path, module: str, target: Path, march: str) -> None:
+    """Compile into a private temporary folder, then move the library into place with its hash."""
+    logger.info("compiling the %s CPU kernel (one-off on this machine, ~30 s)...", source.stem)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{module}-") as scratch:
+        partial = Path(scratch) / target.name
+        result = subprocess.run(_compile_command(source, module, partial, march), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"compiling {source.name} failed:\n{result.stderr[-4000:]}")
+        os.chmod(partial, 0o600)
+        digest = hashlib.sha256(partial.read_bytes()).hexdigest()
+        _recorded_hash(target).unlink(missing_ok=True)  # no record of the old library meanwhile
+        partial.replace(target)
+    write_private_file(_recorded_hash(target), digest.encode() + b"\n")
+    logger.info("%s CPU kernel compiled in %.0f s: %s", source.stem, time.perf_counter() - started, target)
+
+
+def _stale_reason(target: Path) -> str | None:
+    """Why ``target`` must be rebuilt (None: it is the library this user built, unchanged).
+
+    Raises :class:`KernelBuildError` for a library or record that is a link, of another owner
+    or writable by group/other: someone else's file, never loaded nor silently replaced."""
+    try:
+        library = _read_own(target)
+        recorded = _read_own(_recorded_hash(target)).decode(errors="replace").strip()
+    except FileNotFoundError as exc:
+        return f"{exc.filename} is missing"
+    except UnsafePathError as exc:
+        raise KernelBuildError(f"{exc} (remove it, and the kernel is rebuilt)") from exc
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise KernelBuildError(f"cannot use {exc.filename}: {exc.strerror} (remove it)") from exc
+    digest = hashlib.sha256(library).hexdigest()
+    if digest != recorded:
+        return f"its SHA-256 {digest} is not the one recorded at its build ({recorded[:64]})"
+    return None
+
+
+def _read_own(path: Path) -> bytes:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+        check_owned_file(path, os.fstat(f.fileno()), confidential=False)
+        return f.read()
+
+
 def _load(module: str, path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(module, path)
     if spec is None or spec.loader is None:
@@ -85,24 +148,29 @@ def cpu_extension(name: str, march: str = "native") -> ModuleType:
     if not source.is_file():
         raise KernelBuildError(f"no kernel source {source}")
     module = f"infermux_{name}" if march == "native" else f"infermux_{name}_{march.replace('-', '_')}"
+    return cached_build(source, module, march)
+
+
+def cached_build(source: Path, module: str, march: str = "native") -> ModuleType:
+    """Extension ``module`` compiled from ``source`` through the cache (its checks above):
+    what :func:`cpu_extension` does for each kernel, and what the cache's own tests do with
+    a small source that compiles in a second."""
     # -march=native: a home directory shared by different CPUs must not share the library.
     key_parts = [source.read_bytes(), torch.__version__.encode(), sys.version.encode()]
     key_parts.append(" ".join(sorted(cpu_flags())).encode())
     key_parts.append(" ".join(_compile_command(source, module, Path("out.so"), march)).encode())
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
-    directory = _cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory = private_dir(_cache_dir(), confidential=False)
+        lock_fd = os.open(directory / f"{module}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise KernelBuildError(f"the kernel cache cannot be used: {exc}") from exc
     target = directory / f"{module}-{key}.so"
-    with open(directory / f"{module}.lock", "w") as lock:
+    with open(lock_fd, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.exists():
-            logger.info("compiling the %s CPU kernel (one-off on this machine, ~30 s)...", name)
-            started = time.perf_counter()
-            partial = target.with_suffix(f".{os.getpid()}.tmp")
-            result = subprocess.run(_compile_command(source, module, partial, march), capture_output=True, text=True)
-            if result.returncode != 0:
-                partial.unlink(missing_ok=True)
-                raise KernelBuildError(f"compiling {source.name} failed:\n{result.stderr[-4000:]}")
-            partial.replace(target)
-            logger.info("%s CPU kernel compiled in %.0f s: %s", name, time.perf_counter() - started, target)
+        if not os.path.lexists(target):
+            _build(source, module, target, march)
+        elif (reason := _stale_reason(target)) is not None:
+            logger.warning("rebuilding the %s CPU kernel %s: %s", source.stem, target, reason)
+            _build(source, module, target, march)
     return _load(module, target)

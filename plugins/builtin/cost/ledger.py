@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from core_engine.private_files import private_dir, private_file
 from plugins.usage_report import UsageDay, UsageQuery, UsageReport, UsageTotals
 
 __all__ = [
@@ -172,7 +173,9 @@ class UsageLedger(Protocol):
 
 
 class Ledger:
-    """The ledger at ``path`` (created with its folder if missing); see the module docstring."""
+    """The ledger at ``path`` (created ``0600``, its folder ``0700``, if missing; a folder of
+    another user or open to group/other, or a file that is a link or another user's, is
+    refused: :mod:`core_engine.private_files`); see the module docstring."""
 
     def __init__(
         self, path: str | Path, *, synchronous: Literal["full", "normal"] = "normal"
@@ -180,7 +183,9 @@ class Ledger:
         self.path = Path(path)
         self.location = str(self.path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Usage per key and tenant, and the stored responses beside it: this user's alone.
+            private_dir(self.path.parent)
+            private_file(self.path)
             connection = _connect(self.path, create=True)
             connection.execute(f"PRAGMA synchronous = {synchronous.upper()}")
             _ensure_schema(connection, self.path)
@@ -193,10 +198,8 @@ class Ledger:
                 loop_connection.execute("PRAGMA wal_autocheckpoint = 0")
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot open the usage ledger {str(self.path)!r}: {exc}") from exc
-        except OSError as exc:
-            raise LedgerError(
-                f"cannot create the folder of the usage ledger {str(self.path)!r}: {exc}"
-            ) from exc
+        except OSError as exc:  # UnsafePathError included: it names the path and the fix
+            raise LedgerError(f"cannot use the usage ledger {str(self.path)!r}: {exc}") from exc
         self._connection = connection
         #: ``normal``: the connection the event loop commits on (None: everything is queued).
         self._loop_connection = loop_connection
