@@ -66,7 +66,6 @@ from backends.errors import (
     InfermuxError,
     UpstreamTimeoutError,
 )
-from backends.resume import resumed_prompt
 from core_engine.policy import SpeculationContext, SpeculationPolicy
 
 __all__ = ["LlamaRunner"]
@@ -283,9 +282,7 @@ class LlamaRunner:
         try:
             tokens, prompt_text = self.model.prompt_tokens(request, job.chat_text)
             if request.resume is not None:  # continue another backend's partial answer
-                tokens = resumed_prompt(
-                    tokens, request.resume, lambda text: self.model.tokenize(text, add_bos=False)
-                )
+                tokens = self.model.resumed_prompt(tokens, request.resume)
             if not tokens:
                 tokens = [self.model.bos_id]  # something must be evaluated to sample from
             max_tokens = self.check_context(request, len(tokens))

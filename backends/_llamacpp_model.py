@@ -14,10 +14,12 @@ from typing import Any
 import llama_cpp
 
 from backends._llamacpp_safety import apply_cpu_safety
-from backends.base import GenerationRequest
+from backends.base import GenerationRequest, ResumeState
 from backends.chat_plan import ChatOptions, load_chat
 from backends.errors import InvalidRequestError
+from backends.resume import resumed_prompt
 from core_engine.chat.budget import ThinkingBudget, ThinkingParams
+from core_engine.chat.content_text import ControlTexts
 from core_engine.chat.formats import SPECIAL_MARKERS
 
 __all__ = ["LlamaModel"]
@@ -57,7 +59,8 @@ class LlamaModel:
         eos_text = self._special_text(self.metadata.get("tokenizer.ggml.eos_token_id"))
         self.template_source = self.metadata.get("tokenizer.chat_template")
         self.template, self.chat_format = load_chat(
-            chat, self.template_source, bos_token=self._bos_text, eos_token=eos_text
+            chat, self.template_source, bos_token=self._bos_text, eos_token=eos_text,
+            control_texts=ControlTexts(self._control_texts()),
         )
 
     def close(self) -> None:
@@ -80,9 +83,16 @@ class LlamaModel:
         """Token ids and text of the request's prompt (``chat_text``: the rendered chat)."""
         if request.kind == "chat":
             assert chat_text is not None, "chats are rendered by backends.chat_plan"
-            text = chat_text
-            add_bos = self.add_bos and not (self._bos_text and text.startswith(self._bos_text))
-            return self.tokenize(text, add_bos=add_bos), text
+            control = self.template.control_texts
+            add_bos = self.add_bos and not (self._bos_text and chat_text.startswith(self._bos_text))
+            tokens = control.encode(
+                chat_text,
+                lambda piece, add_special, parse_special: self.tokenize(
+                    piece, add_bos=add_special, parse_special=parse_special
+                ),
+                add_special=add_bos,
+            )
+            return tokens, control.text(chat_text)
         prompt = request.prompt
         if isinstance(prompt, tuple):
             bad = next((t for t in prompt if not 0 <= t < self.n_vocab), None)
@@ -93,24 +103,42 @@ class LlamaModel:
                 )
             tokens = list(prompt)
             return tokens, self.detokenize(tokens).decode("utf-8", errors="replace")
+        # A raw prompt is the client's whole prompt: its special-token texts are parsed, as
+        # llama.cpp's server does; chat content never is (above).
         text = prompt or ""
         return self.tokenize(text, add_bos=self.add_bos), text
 
+    def resumed_prompt(self, tokens: list[int], resume: ResumeState) -> list[int]:
+        """The prompt followed by the earlier backend's output (backends/resume.py); its text,
+        when it comes without ids, is text: control-token texts in it are not parsed."""
+        return resumed_prompt(tokens, resume, lambda text: self.tokenize(text, add_bos=False, parse_special=False))
+
     # -- vocabulary -----------------------------------------------------------------------
 
-    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text are parsed as such."""
+    def tokenize(self, text: str, *, add_bos: bool, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are parsed as such unless
+        ``parse_special`` is off (``add_bos``: llama.cpp's ``add_special``)."""
         data = text.encode("utf-8")
         capacity = len(data) + 2  # a token covers at least one byte, plus BOS
         buffer = (llama_cpp.llama_token * capacity)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buffer, capacity, add_bos, True)
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buffer, capacity, add_bos, parse_special)
         if n < 0:  # cannot happen with the bound above; kept for odd vocabularies
             capacity = -n
             buffer = (llama_cpp.llama_token * capacity)()
             n = llama_cpp.llama_tokenize(
-                self.vocab, data, len(data), buffer, capacity, add_bos, True
+                self.vocab, data, len(data), buffer, capacity, add_bos, parse_special
             )
         return list(buffer[:n])
+
+    def _control_texts(self) -> list[str]:
+        """The texts llama.cpp turns into tokens only with ``parse_special`` (control and
+        unknown tokens); user-defined tokens match in any text."""
+        special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        return [
+            (llama_cpp.llama_vocab_get_text(self.vocab, i) or b"").decode("utf-8", errors="replace")
+            for i in range(self.n_vocab)
+            if llama_cpp.llama_vocab_get_attr(self.vocab, i) & special
+        ]
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token (special tokens render as nothing, except the tool-call and

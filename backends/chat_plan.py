@@ -4,7 +4,8 @@ The core engine, llama.cpp and MLX backends all serve chat the same way, from he
 
 1. the messages and the offered tools are rendered through the model's template
    (:func:`core_engine.chat.prompt.render_chat`; ``tool_choice = "none"`` offers none), with
-   the request's ``chat_template_kwargs`` as extra template variables;
+   the request's ``chat_template_kwargs`` as extra template variables; control-token texts
+   written in any of them stay text (:mod:`core_engine.chat.content_text`);
 2. ``tool_choice = "required"`` or a named function becomes a grammar constraint
    (:func:`core_engine.chat.tool_grammar.tool_call_grammar`, errors naming ``tool_choice``);
 3. a reasoning template with a budget gets :class:`~core_engine.chat.budget.ThinkingParams`
@@ -26,6 +27,7 @@ import msgspec
 from backends.base import ChatMessage, GenerationChunk, GenerationRequest, ToolCallDelta
 from backends.errors import InvalidRequestError
 from core_engine.chat.budget import ThinkingParams
+from core_engine.chat.content_text import ControlTexts
 from core_engine.chat.formats import ChatFormat, detect_chat_format
 from core_engine.chat.prompt import render_chat, tool_call_format
 from core_engine.chat.reasoning import ReasoningParser
@@ -49,11 +51,17 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 def load_chat(
-    options: ChatOptions | None, model_template: str | None, *, bos_token: str = "", eos_token: str = ""
+    options: ChatOptions | None,
+    model_template: str | None,
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    control_texts: ControlTexts | None = None,
 ) -> tuple[ChatTemplate, ChatFormat]:
     """The template (``options.template``, else the model's, else ChatML) and its format;
     ``ChatTemplateError`` for an unreadable file, a template that does not compile or an
-    unknown format name."""
+    unknown format name. ``control_texts``: the vocabulary's, kept as text in content
+    (:mod:`core_engine.chat.content_text`)."""
     options = options or ChatOptions()
     source = model_template
     if options.template is not None:
@@ -62,7 +70,7 @@ def load_chat(
         except OSError as exc:
             raise ChatTemplateError(f"chat.template: cannot read {options.template}: {exc}") from exc
     source = source or FALLBACK_CHATML_TEMPLATE
-    template = ChatTemplate(source, bos_token=bos_token, eos_token=eos_token)
+    template = ChatTemplate(source, bos_token=bos_token, eos_token=eos_token, control_texts=control_texts)
     try:
         fmt = detect_chat_format(source, tool_calls=options.tool_call_format, reasoning=options.reasoning_format)
     except ValueError as exc:
@@ -90,6 +98,8 @@ def message_dicts(messages: tuple[ChatMessage, ...] | None) -> list[dict[str, An
 
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
+    #: The rendered prompt, the control-token texts of the request's content marked: tokenize
+    #: it with the template's ``control_texts.encode`` (:mod:`core_engine.chat.content_text`).
     text: str
     #: The constraint to enforce: the request's own, or the tool-call grammar.
     structured_outputs: dict[str, Any] | None

@@ -54,6 +54,7 @@ from backends.prefix_cache import CacheEvents, PrefixCacheIndex
 from backends.resume import resumed_output, resumed_prompt
 from backends.threads import default_num_threads
 from backends.token_ids import as_prompt, detokenized, tokenized
+from core_engine.chat.content_text import ControlTexts
 from core_engine.chat.formats import ChatFormat
 from core_engine.chat.template import ChatTemplate, ChatTemplateError
 
@@ -97,6 +98,15 @@ class KVTransferOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     #: How long a decode waits for its KV, and how long an unclaimed transfer is kept.
     timeout_s: float = 30.0
     ttl_s: float = 60.0
+    #: tcp: the largest transfer in bytes, and the unclaimed transfers a decode side keeps.
+    max_message_bytes: int = 512 * 1024 * 1024
+    max_pending_transfers: int = 32
+    #: tcp, ZeroMQ CURVE (required off loopback): this engine's certificate with its secret
+    #: key; prefill: the decode engine's public certificate; decode: the directory of the
+    #: prefill engines' public certificates.
+    secret_key_file: str | None = None
+    server_key_file: str | None = None
+    authorized_keys_dir: str | None = None
 
 
 class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -391,6 +401,9 @@ class CoreEngineBackend:
                 tokenizer.chat_template,
                 bos_token=self._bos_text,
                 eos_token=self._special_text(tokenizer, tokenizer.eos_token_id),
+                control_texts=ControlTexts(
+                    tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)
+                ),
             )
         except ChatTemplateError as exc:
             raise BackendConfigError(f"backend {self.name!r}: {exc}") from exc
@@ -526,14 +539,18 @@ class CoreEngineBackend:
 
     async def _tokenize(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """The prompt's token ids (as a generation of it would see them), or the text of
-        ``prompt``'s ids; one chunk."""
+        ``prompt``'s ids; one chunk. Worked out on a worker thread: a body of megabytes takes
+        seconds, which on the event loop would stall every stream of this process (the
+        tokenizer and the template are read-only; the word cache is a dict)."""
         llm = self._llm
         if llm is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
-        tokenizer, vocab_size = llm.engine.tokenizer, llm.engine.model_config.vocab_size
+        yield await asyncio.to_thread(self._tokenized, request, llm.engine)
+
+    def _tokenized(self, request: GenerationRequest, engine: Any) -> GenerationChunk:
+        tokenizer, vocab_size = engine.tokenizer, engine.model_config.vocab_size
         if request.kind == "detokenize":
-            yield detokenized(request, vocab_size, lambda ids: tokenizer.decode(ids, skip_special=False))
-            return
+            return detokenized(request, vocab_size, lambda ids: tokenizer.decode(ids, skip_special=False))
         prompt_request = as_prompt(request)
         plan = None
         if prompt_request.kind == "chat":
@@ -541,7 +558,7 @@ class CoreEngineBackend:
                 raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
             plan = plan_chat(prompt_request, self._template, self._chat_format)
         prompt_ids, _ = self._prompt(prompt_request, tokenizer, vocab_size, plan)
-        yield tokenized(prompt_ids)
+        return tokenized(prompt_ids)
 
     async def _embed(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Every input in one chunk: tokenized here, pooled on the engine's thread between
@@ -682,10 +699,8 @@ class CoreEngineBackend:
             prompt_text = ""
         pins: tuple[tuple[int, float], ...] = ()
         if plan is not None and request.prefix_pins and self._template is not None:
-            tokenizer = llm.engine.tokenizer
             pins = tuple(
-                (len(tokenizer.encode(text, add_special=not (self._bos_text and text.startswith(self._bos_text)),
-                                      parse_special=True)), ttl_s)
+                (len(self._chat_ids(text, llm.engine.tokenizer)), ttl_s)
                 for text, ttl_s in pinned_prefixes(request, self._template, self._chat_format)
             )
         engine_params = self._engine_params(
@@ -785,9 +800,8 @@ class CoreEngineBackend:
         self, request: GenerationRequest, tokenizer: Any, vocab_size: int, plan: ChatPlan | None
     ) -> tuple[list[int], str]:
         if plan is not None:
-            text = plan.text
-            add_bos = not (self._bos_text and text.startswith(self._bos_text))
-            return tokenizer.encode(text, add_special=add_bos, parse_special=True), text
+            assert self._template is not None
+            return self._chat_ids(plan.text, tokenizer), self._template.control_texts.text(plan.text)
         prompt = request.prompt
         if isinstance(prompt, tuple):
             bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
@@ -796,11 +810,26 @@ class CoreEngineBackend:
                     f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="prompt"
                 )
             return list(prompt), tokenizer.decode(prompt, skip_special=False)
+        # A raw prompt is the client's whole prompt, template included: its special-token
+        # texts are parsed (as vLLM and llama.cpp do); chat content never is (_chat_ids).
         text = prompt or ""
         ids = tokenizer.encode(text, add_special=True, parse_special=True)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids, text
+
+    def _chat_ids(self, text: str, tokenizer: Any) -> list[int]:
+        """Token ids of a rendered chat (``text``: marked, :mod:`core_engine.chat.content_text`):
+        the template's control tokens parsed, the content's control-token texts as text; BOS
+        added unless the template wrote it."""
+        assert self._template is not None
+        return self._template.control_texts.encode(
+            text,
+            lambda piece, add_special, parse_special: tokenizer.encode(
+                piece, add_special=add_special, parse_special=parse_special
+            ),
+            add_special=not (self._bos_text and text.startswith(self._bos_text)),
+        )
 
     @staticmethod
     def _engine_params(

@@ -57,7 +57,7 @@ from backends.errors import (
     UnsupportedParameterError,
 )
 from backends.model_loading import load_with_progress, resolve_model_path
-from backends.resume import resumed_output, resumed_prompt
+from backends.resume import resumed_output
 from backends.threads import default_num_threads
 from backends.token_ids import as_prompt, detokenized, tokenized
 from core_engine.chat.template import ChatTemplateError
@@ -318,23 +318,12 @@ class LlamaCppBackend:
 
     async def _tokenize(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """The prompt's token ids (as a generation of it would see them), or the text of
-        ``prompt``'s ids; one chunk (the model's vocabulary is read-only: any thread)."""
+        ``prompt``'s ids; one chunk, worked out on a worker thread (the model's vocabulary is
+        read-only: any thread), so that a body of megabytes does not stall the event loop."""
         runner = self._runner
         if runner is None:
             raise BackendUnavailableError(f"backend {self.name!r} is not loaded")
-        model = runner.model
-        if request.kind == "detokenize":
-            yield detokenized(
-                request, model.n_vocab,
-                lambda ids: b"".join(model.token_text(t) for t in ids).decode("utf-8", errors="replace"),
-            )
-            return
-        prompt_request = as_prompt(request)
-        chat_text = None
-        if prompt_request.kind == "chat":
-            chat_text = plan_chat(prompt_request, model.template, model.chat_format).text
-        tokens, _ = model.prompt_tokens(prompt_request, chat_text)
-        yield tokenized(tokens)
+        yield await asyncio.to_thread(_tokenized, request, runner.model)
 
     async def _embed(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Every input's vector in one chunk (:mod:`backends._llamacpp_embedding`)."""
@@ -390,7 +379,7 @@ class LlamaCppBackend:
             # the text is made again over the whole output (backends/resume.py).
             model = runner.model
             prompt, _ = model.prompt_tokens(request, job.chat_text)
-            num_prompt = len(resumed_prompt(prompt, resume, lambda text: model.tokenize(text, add_bos=False)))
+            num_prompt = len(model.resumed_prompt(prompt, resume))
             runner.submit(job)
             resumed = resumed_output(
                 drain(job), resume, piece=model.piece, stop=request.params.stop,
@@ -423,6 +412,21 @@ class LlamaCppBackend:
             return self._grammars.compile(StructuredOutput.from_request(structured))
         except InvalidParamError as exc:
             raise InvalidRequestError(exc.message, param=exc.param) from exc
+
+
+def _tokenized(request: GenerationRequest, model: Any) -> GenerationChunk:
+    """:meth:`LlamaCppBackend._tokenize`'s chunk, computed on the calling thread."""
+    if request.kind == "detokenize":
+        return detokenized(
+            request, model.n_vocab,
+            lambda ids: b"".join(model.token_text(t) for t in ids).decode("utf-8", errors="replace"),
+        )
+    prompt_request = as_prompt(request)
+    chat_text = None
+    if prompt_request.kind == "chat":
+        chat_text = plan_chat(prompt_request, model.template, model.chat_format).text
+    tokens, _ = model.prompt_tokens(prompt_request, chat_text)
+    return tokenized(tokens)
 
 
 def _check_speculation(speculation: LlamaCppSpeculation, prefix: str) -> None:

@@ -43,6 +43,7 @@ from backends.mlx import sampling
 from backends.mlx.prompt_cache import PromptCache
 from backends.mlx.tokenizer import MLXTokenizer
 from backends.resume import resumed_prompt
+from core_engine.chat.content_text import ControlTexts
 from core_engine.stop_checker import StopChecker
 
 __all__ = ["MLXRunner"]
@@ -83,7 +84,8 @@ class MLXRunner:
         self._prefill_step_size = prefill_step_size
         self._default_seed = default_seed
         self.template, self.chat_format = load_chat(
-            chat, tokenizer.chat_template, bos_token=tokenizer.bos_text, eos_token=tokenizer.eos_text
+            chat, tokenizer.chat_template, bos_token=tokenizer.bos_text, eos_token=tokenizer.eos_text,
+            control_texts=ControlTexts(tokenizer.control_texts()),
         )
         self._prompt_cache = PromptCache(enabled=use_prompt_cache)
         #: Tokens sampled since start, across requests (tests observe cancellation with it).
@@ -109,7 +111,14 @@ class MLXRunner:
             add_bos = tokenizer.add_bos and not (
                 tokenizer.bos_text and text.startswith(tokenizer.bos_text)
             )
-            return tokenizer.encode(text, add_bos=add_bos)
+            # The content's control-token texts are text (core_engine.chat.content_text).
+            return self.template.control_texts.encode(
+                text,
+                lambda piece, add_special, parse_special: tokenizer.encode(
+                    piece, add_bos=add_special, parse_special=parse_special
+                ),
+                add_special=add_bos,
+            )
         prompt = request.prompt
         if isinstance(prompt, tuple):
             bad = next((t for t in prompt if not 0 <= t < self.n_vocab), None)
@@ -123,7 +132,9 @@ class MLXRunner:
 
     def resumed_prompt(self, tokens: list[int], resume: ResumeState) -> list[int]:
         """The prompt followed by the earlier backend's output (backends/resume.py)."""
-        return resumed_prompt(tokens, resume, lambda text: self.tokenizer.encode(text, add_bos=False))
+        return resumed_prompt(
+            tokens, resume, lambda text: self.tokenizer.encode(text, add_bos=False, parse_special=False)
+        )
 
     def check_context(self, request: GenerationRequest, num_prompt: int) -> int:
         """The effective ``max_tokens``; ``ContextLengthExceededError`` when it cannot fit."""

@@ -7,8 +7,10 @@ the metadata in a fraction of a second. Other GGUF vocabularies (SentencePiece) 
 MLX/Hugging Face directory, mlx-lm's loader provides the Hugging Face tokenizer.
 
 The backend needs only what :class:`MLXTokenizer` offers: encoding with special-token texts
-recognised (as llama.cpp does with ``special=True``), streaming decoding that never splits a
-UTF-8 character, each token's bytes for logprobs, and the end-of-generation ids.
+recognised (as llama.cpp does with ``special=True``) or read as text (a chat's content,
+:mod:`core_engine.chat.content_text`), the texts that differ between the two, streaming
+decoding that never splits a UTF-8 character, each token's bytes for logprobs, and the
+end-of-generation ids.
 """
 
 from __future__ import annotations
@@ -63,8 +65,13 @@ class MLXTokenizer:
     #: The model's Jinja chat template, or None.
     chat_template: str | None
 
-    def encode(self, text: str, *, add_bos: bool) -> list[int]:
-        """Token ids of ``text``; special-token texts in it become their ids."""
+    def encode(self, text: str, *, add_bos: bool, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token texts in it become their ids unless
+        ``parse_special`` is off."""
+        raise NotImplementedError
+
+    def control_texts(self) -> list[str]:
+        """The texts :meth:`encode` makes into tokens only with ``parse_special``."""
         raise NotImplementedError
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -122,11 +129,15 @@ class HFTokenizer(MLXTokenizer):
             eos.add(hf.eos_token_id)
         return cls(hf, eos_token_ids=eos, add_bos=add_bos, chat_template=hf.chat_template)
 
-    def encode(self, text: str, *, add_bos: bool) -> list[int]:
-        ids: list[int] = self.hf.encode(text, add_special_tokens=False)
+    def encode(self, text: str, *, add_bos: bool, parse_special: bool = True) -> list[int]:
+        ids: list[int] = self.hf.encode(text, add_special_tokens=False, split_special_tokens=not parse_special)
         if add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def control_texts(self) -> list[str]:
+        # ``split_special_tokens`` reads the added tokens marked special as text, not the others.
+        return [t.content for t in self.hf.added_tokens_decoder.values() if t.special]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         ids = list(token_ids)
@@ -190,11 +201,15 @@ class GGUFBPETokenizer(MLXTokenizer):
             return ""
         return self.core.token_to_bytes(token_id, skip_special=False).decode("utf-8", "replace")
 
-    def encode(self, text: str, *, add_bos: bool) -> list[int]:
-        ids: list[int] = self.core.encode(text, add_special=False, parse_special=True)
+    def encode(self, text: str, *, add_bos: bool, parse_special: bool = True) -> list[int]:
+        ids: list[int] = self.core.encode(text, add_special=False, parse_special=parse_special)
         if add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def control_texts(self) -> list[str]:
+        core = self.core
+        return [core.id_to_token(i) for i in range(core.vocab_size) if core.is_special(i)]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         text: str = self.core.decode(token_ids, skip_special=True)

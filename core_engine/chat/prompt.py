@@ -37,6 +37,7 @@ FALLBACK_TOOL_INSTRUCTIONS = (
 
 @dataclass(frozen=True, slots=True)
 class RenderedChat:
+    #: The prompt, content's control-token texts marked (see :func:`render_chat`).
     text: str
     #: The prompt ends inside an opened thinking block: the output starts with reasoning.
     reasoning_open: bool = False
@@ -135,9 +136,20 @@ def render_chat(
     without ``add_generation_prompt``, a prefix of the conversation (cache pins, and
     ``POST /tokenize`` with ``add_generation_prompt = false``). ``template_kwargs``: extra
     template variables (a request's ``chat_template_kwargs``, e.g. ``enable_thinking``);
-    ``ChatTemplateError`` when one is a variable the renderer sets itself."""
+    ``ChatTemplateError`` when one is a variable the renderer sets itself.
+
+    The control-token texts written in the messages, tools and variables are marked
+    (:meth:`ControlTexts.mark <core_engine.chat.content_text.ControlTexts.mark>` with the
+    template's ``control_texts``): tokenize the text with
+    :meth:`ControlTexts.encode <core_engine.chat.content_text.ControlTexts.encode>`, and read
+    it with :meth:`ControlTexts.text <core_engine.chat.content_text.ControlTexts.text>`."""
+    control = template.control_texts
+    # Call arguments are decoded before marking: a JSON escape (\u003c for <, a surrogate
+    # pair) would otherwise hide a control text from the marks until the template decodes it.
+    messages = control.mark(_native(messages))
+    tools = control.mark([dict(t) for t in tools]) if tools else None
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-    extra = dict(template_kwargs or {})
+    extra = control.mark(dict(template_kwargs or {}))
     if fmt.native_tools:
         offered = [dict(t) for t in tools] if tools else None
         text = template.render(

@@ -41,6 +41,8 @@ from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
+from core_engine.chat.content_text import ControlTexts
+
 __all__ = ["RESERVED_TEMPLATE_VARIABLES", "ChatTemplate", "ChatTemplateError", "FALLBACK_CHATML_TEMPLATE"]
 
 #: Used only when a model ships no template (plain ChatML, as most instruct models use).
@@ -203,7 +205,9 @@ class ChatTemplate:
     '<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n'
     """
 
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(
+        self, source: str, *, bos_token: str = "", eos_token: str = "", control_texts: ControlTexts | None = None
+    ) -> None:
         try:
             self._template = _environment().from_string(source)
         except TemplateError as exc:
@@ -211,6 +215,10 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        #: The vocabulary's control-token texts, kept as text in a request's content
+        #: (:func:`~core_engine.chat.prompt.render_chat` marks them, the backend's tokenizer
+        #: reads the marks through :meth:`ControlTexts.encode`).
+        self.control_texts = control_texts if control_texts is not None else ControlTexts()
 
     def render(
         self,

@@ -5,7 +5,9 @@ The engine that asked for ``tensor_parallel_size = N`` is rank 0 (its scheduler,
 requests are the only ones). :meth:`TensorParallelRanks.start` starts ranks 1..N-1 as
 ``python -m core_engine.distributed.worker`` processes (no torchrun), each with one end of a
 socket pair for control frames (:mod:`core_engine.distributed.messages`); the process group
-meets on a TCP store on 127.0.0.1 (gloo on CPU, NCCL on CUDA with rank ``r`` on ``cuda:r``).
+meets on a TCP store on 127.0.0.1, whose socket rank 0 holds from the start (gloo on CPU, NCCL
+on CUDA with rank ``r`` on ``cuda:r``; every socket of the group on loopback:
+:mod:`core_engine.distributed.group`).
 
 Failure is bounded: a rank that exits or hangs makes rank 0's next collective raise within
 the group's timeout (``EngineConfig.tensor_parallel_timeout_s``), sending to a gone rank raises
@@ -30,7 +32,7 @@ import torch
 
 from core_engine.config import EngineConfig, resolve_dtype
 from core_engine.distributed import messages as m
-from core_engine.distributed.group import TensorParallelGroup
+from core_engine.distributed.group import RENDEZVOUS_HOST, TensorParallelGroup, rendezvous_listener
 from core_engine.distributed.partition import partition
 from core_engine.distributed.sharding import shard_model
 from core_engine.model_runner import ForwardBatch
@@ -59,14 +61,17 @@ def rank_threads(config: EngineConfig) -> int | None:
     return max(1, total // config.tensor_parallel_size)
 
 
-def load_rank_model(config: EngineConfig, rank: int, world_size: int, port: int, device: str) -> tuple[Any, torch.dtype, Any]:
-    """Join the group, load the GGUF and keep rank ``rank``'s shard, packed as ``config``
-    says: (model, compute dtype, tokenizer)."""
+def load_rank_model(
+    config: EngineConfig, rank: int, world_size: int, port: int, device: str, listener: socket.socket | None = None
+) -> tuple[Any, torch.dtype, Any]:
+    """Join the group (rank 0: its store on ``listener``), load the GGUF and keep rank
+    ``rank``'s shard, packed as ``config`` says: (model, compute dtype, tokenizer)."""
     from core_engine.gguf_loader import load_model
     from core_engine.weight_setup import pack_weights
 
     group = TensorParallelGroup(
-        rank=rank, world_size=world_size, port=port, device=device, timeout_s=config.tensor_parallel_timeout_s
+        rank=rank, world_size=world_size, port=port, device=device, timeout_s=config.tensor_parallel_timeout_s,
+        listener=listener,
     )
     dtype = resolve_dtype(config.dtype, config.device, config.weight_format)
     model, _, tokenizer = load_model(config.model_path, dtype=dtype, device=device, max_model_len=config.max_model_len)
@@ -76,19 +81,14 @@ def load_rank_model(config: EngineConfig, rank: int, world_size: int, port: int,
     return model, dtype, tokenizer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TensorParallelRanks:
     """Ranks 1..N-1 of an engine, seen from rank 0 (see the module docstring)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.tensor_parallel_size
-        self.port = _free_port()
+        self._listener: socket.socket | None = rendezvous_listener()
+        self.port: int = self._listener.getsockname()[1]
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
         self._closed = False
@@ -100,8 +100,9 @@ class TensorParallelRanks:
         ranks = cls(config)
         try:
             ranks._spawn()
+            listener, ranks._listener = ranks._listener, None  # the group's store takes it over
             model, dtype, tokenizer = load_rank_model(
-                config, 0, ranks.world_size, ranks.port, rank_device(config.device, 0)
+                config, 0, ranks.world_size, ranks.port, rank_device(config.device, 0), listener
             )
             for rank, conn in enumerate(ranks._conns, start=1):
                 ranks._expect(rank, conn, m.Loaded, config.tensor_parallel_timeout_s + 600)
@@ -128,8 +129,8 @@ class TensorParallelRanks:
                 config=self.config, rank=rank, world_size=self.world_size, port=self.port,
                 device=rank_device(self.config.device, rank), num_threads=threads,
             )))
-        logger.info("tensor parallel: started ranks 1..%d (pids %s), group on 127.0.0.1:%d",
-                    self.world_size - 1, ", ".join(str(p.pid) for p in self._procs), self.port)
+        logger.info("tensor parallel: started ranks 1..%d (pids %s), group on %s:%d", self.world_size - 1,
+                    ", ".join(str(p.pid) for p in self._procs), RENDEZVOUS_HOST, self.port)
 
     def _expect(self, rank: int, conn: Connection, kind: type, timeout_s: float) -> Any:
         """The next frame from ``rank``, which must be a ``kind``; waits while the rank lives."""
@@ -197,6 +198,9 @@ class TensorParallelRanks:
         if self._closed:
             return
         self._closed = True
+        if self._listener is not None:  # the group was never formed
+            self._listener.close()
+            self._listener = None
         stop = m.encoder.encode(m.Stop())
         for conn in self._conns:
             try:

@@ -20,6 +20,7 @@ memory; the blocks' layout is :class:`~core_engine.kv_transfer.payload.KVTransfe
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Literal, Protocol
 
@@ -50,17 +51,78 @@ class KVTransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     #: "shm": shared memory segments, both engines on one host; "tcp": ZeroMQ, any hosts.
     transport: Literal["shm", "tcp"] = "shm"
     #: tcp: the decode engine's listening endpoint (``tcp://host:port``); the decode side
-    #: binds it, the prefill side connects to it. Unused by shm.
+    #: binds it, the prefill side connects to it. Unused by shm. Anything but a loopback
+    #: host (127.0.0.0/8, ::1, localhost) needs the CURVE keys below.
     address: str | None = None
     #: How long a receive waits for its transfer, and how long an unclaimed transfer is kept.
     timeout_s: float = 30.0
     ttl_s: float = 60.0
+    #: tcp: the largest transfer (its metadata and blocks), in bytes. The prefill side fails
+    #: a larger send; the decode side disconnects a peer as soon as a larger message starts
+    #: arriving. The default holds SmolLM2-135M's whole 8k context in fp32 (377 MB); a
+    #: prompt's KV is ``max_model_len`` x layers x 2 x KV heads x head_dim x element size.
+    max_message_bytes: int = 512 * 1024 * 1024
+    #: tcp: transfers arrived and not claimed yet that the decode side keeps; one arriving
+    #: beyond them is dropped (with ``max_message_bytes``, this bounds what peers can park in
+    #: the decode engine's memory for ``ttl_s``).
+    max_pending_transfers: int = 32
+    #: tcp, ZeroMQ CURVE (encrypted, and only known peers accepted): this engine's key pair,
+    #: a certificate with its secret key (``zmq.auth.create_certificates`` writes
+    #: ``NAME.key_secret`` and the public half ``NAME.key``).
+    secret_key_file: str | None = None
+    #: CURVE, prefill side: the decode engine's public certificate (its ``NAME.key``).
+    server_key_file: str | None = None
+    #: CURVE, decode side: a directory of the public certificates (``*.key``) of the prefill
+    #: engines allowed to send; any other peer fails the handshake.
+    authorized_keys_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.transport == "tcp" and not self.address:
             raise ValueError("kv_transfer.address: the tcp transport needs the decode engine's tcp://host:port")
         if self.timeout_s <= 0 or self.ttl_s <= 0:
             raise ValueError("kv_transfer.timeout_s and kv_transfer.ttl_s must be > 0")
+        if self.max_message_bytes < 1:
+            raise ValueError(f"kv_transfer.max_message_bytes: must be >= 1, got {self.max_message_bytes}")
+        if self.max_pending_transfers < 1:
+            raise ValueError(f"kv_transfer.max_pending_transfers: must be >= 1, got {self.max_pending_transfers}")
+        peer_keys = self.server_key_file is not None or self.authorized_keys_dir is not None
+        if self.transport != "tcp":
+            if self.secret_key_file is not None or peer_keys:
+                raise ValueError("kv_transfer.secret_key_file: CURVE keys are for the tcp transport")
+            return
+        assert self.address is not None
+        if self.secret_key_file is None:
+            if peer_keys:
+                raise ValueError(
+                    "kv_transfer.secret_key_file: server_key_file / authorized_keys_dir need this engine's own "
+                    "CURVE certificate too"
+                )
+            if not _is_loopback(self.address):
+                raise ValueError(
+                    f"kv_transfer.secret_key_file: {self.address} is not a loopback address; anyone who reaches "
+                    "it would read the prompts and could inject KV blocks, so the tcp transport there needs CURVE "
+                    "keys (secret_key_file, with server_key_file on the prefill side and authorized_keys_dir on "
+                    "the decode side)"
+                )
+        elif not peer_keys:
+            raise ValueError(
+                "kv_transfer.server_key_file: CURVE needs the peer's keys too (server_key_file: the decode "
+                "engine's public certificate; authorized_keys_dir: the prefill engines')"
+            )
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a ``tcp://host:port`` endpoint is on loopback (anything unparsed is not)."""
+    scheme, _, rest = address.partition("://")
+    host = rest.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    if scheme != "tcp" or ";" in host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 #: Test hook (the fault tests' way to a sender killed mid-transfer): the path of a flag file;
