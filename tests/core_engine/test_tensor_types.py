@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType
 from backends.default_model import default_model_path
 from core_engine.attention import ContiguousAttention
 from core_engine.gguf_loader import GGUFFile, load_model
+from tests.artifact_cache import cached_file, file_sha256, versions
 from tests.core_engine.engine_util import make_engine
 from tests.core_engine.gguf_factory import TinyLlamaSpec, write_llama_gguf
 
@@ -55,6 +56,19 @@ def llamacpp_quantize(source: Path, target: Path, file_type: str) -> Path:
     params.allow_requantize = True
     assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
     return target
+
+
+def smollm2_as(file_type: str) -> tuple[Path, bool]:
+    """The default model requantised to ``file_type`` by llama.cpp's quantiser, from the
+    test-artifact cache (``scripts/build_test_artifacts.py`` writes them); whether it was
+    built now."""
+    source = default_model_path()
+    facts = {"source_sha256": file_sha256(source), "file_type": file_type, **versions("llama_cpp_python")}
+    return cached_file(f"smollm2-{file_type}", facts, lambda partial: llamacpp_quantize(source, partial, file_type))
+
+
+#: The file types :func:`test_smollm2_in_each_file_type_predicts_what_llamacpp_predicts` runs.
+SMOLLM2_FILE_TYPES = ("Q2_K", "Q4_K_M", "Q5_K_M", "Q5_1")
 
 
 def _types(path: Path) -> set[str]:
@@ -104,12 +118,12 @@ def test_each_tensor_type_dequantizes_as_llamacpp_and_the_model_matches_it(
     assert diff <= 1e-3, f"{file_type}: max |logit difference| {diff:.2e}"
 
 
-@pytest.mark.parametrize("file_type", ["Q2_K", "Q4_K_M", "Q5_K_M", "Q5_1"])
-def test_smollm2_in_each_file_type_predicts_what_llamacpp_predicts(file_type: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_type", SMOLLM2_FILE_TYPES)
+def test_smollm2_in_each_file_type_predicts_what_llamacpp_predicts(file_type: str) -> None:
     # SmolLM2's 576-wide rows are not multiples of 256: llama.cpp's quantiser keeps K-quants
     # for the 1536-wide down projections and falls back to Q4_0/Q5_0/Q8_0 elsewhere, so these
     # four files also hold Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q8_0 tensors.
-    path = llamacpp_quantize(default_model_path(), tmp_path / f"smollm2-{file_type}.gguf", file_type)
+    path, _ = smollm2_as(file_type)
     engine = make_engine(path, weight_format="auto", dtype="auto")  # the engine's default path
     ids = engine.tokenizer.encode(TEXT)[:300]
     ours, theirs = _logits(engine.model_runner.model, ids), _llamacpp_logits(path, ids)

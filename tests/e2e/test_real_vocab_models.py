@@ -30,6 +30,7 @@ import pytest
 from core_engine.chat.template import ChatTemplate
 from core_engine.tokenizer import Tokenizer
 from core_engine.tokenizer.gguf import read_gguf_metadata, tokenizer_from_gguf_metadata
+from tests.artifact_cache import cached_file, file_sha256, versions
 from tests.core_engine.gguf_factory import write_with_vocab
 from tests.real_artifacts import templates_dir, vocab_dir
 from tests.telemetry.served_process import ServedGateway
@@ -134,24 +135,42 @@ class Gateway:
     files: dict[str, Path]
 
 
-def _write_models(directory: Path) -> dict[str, Path]:
-    """One GGUF per case: the tiny random model of its architecture with the case's
-    vocabulary and template (context 4096: the real templates' tool prompts are long)."""
+def _recipe(case: Case) -> dict[str, object]:
+    """Everything that decides the bytes of ``case``'s file (its key in the artifact cache)."""
+    import torch
+
+    here = Path(__file__).resolve().parents[1] / "core_engine"
+    return {
+        "case": case.name, "arch": case.arch, "max_position_embeddings": 4096,
+        "layers": 2 if case.arch == "gemma3" else None,
+        "vocab_sha256": file_sha256(vocab_dir() / f"ggml-vocab-{case.vocab}.gguf"),
+        "template_sha256": file_sha256(templates_dir() / case.template),
+        "sources_sha256": file_sha256(here / "hf_factory.py", here / "gguf_factory.py"),
+        "torch": torch.__version__, **versions("transformers", "gguf"),
+    }
+
+
+def model_file(case: Case) -> tuple[Path, bool]:
+    """The tiny random model of ``case``'s architecture with its vocabulary and template
+    (context 4096: the real templates' tool prompts are long), from the test-artifact cache
+    (``scripts/build_test_artifacts.py`` writes them all); whether it was built now."""
     from tests.core_engine.hf_factory import tiny_hf_model, write_gguf
 
-    files: dict[str, Path] = {}
-    bases: dict[str, Path] = {}
-    for case in CASES:
-        if case.arch not in bases:
-            layers = {"num_hidden_layers": 2} if case.arch == "gemma3" else {}
-            model = tiny_hf_model(case.arch, max_position_embeddings=4096, **layers)
-            bases[case.arch] = write_gguf(model, directory / f"base-{case.arch}.gguf")
-        template = (templates_dir() / case.template).read_text(encoding="utf-8")
-        files[case.name] = write_with_vocab(
-            bases[case.arch], vocab_dir() / f"ggml-vocab-{case.vocab}.gguf", directory / f"{case.name}.gguf",
-            chat_template=template,
-        )
-    return files
+    def build(partial: Path) -> None:
+        layers = {"num_hidden_layers": 2} if case.arch == "gemma3" else {}
+        base = write_gguf(tiny_hf_model(case.arch, max_position_embeddings=4096, **layers),
+                          partial.with_suffix(".base.tmp"))
+        try:
+            write_with_vocab(base, vocab_dir() / f"ggml-vocab-{case.vocab}.gguf", partial,
+                             chat_template=(templates_dir() / case.template).read_text(encoding="utf-8"))
+        finally:
+            base.unlink(missing_ok=True)
+
+    return cached_file(f"vocab-model-{case.name}", _recipe(case), build)
+
+
+def _write_models() -> dict[str, Path]:
+    return {case.name: model_file(case)[0] for case in CASES}
 
 
 def _config(files: dict[str, Path]) -> str:
@@ -176,7 +195,7 @@ def _config(files: dict[str, Path]) -> str:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     directory = tmp_path_factory.mktemp("real-vocab-models")
-    files = _write_models(directory)
+    files = _write_models()
     config = directory / "config.toml"
     config.write_text(_config(files), encoding="utf-8")
     # The shared `infermux serve` subprocess of the telemetry tests: its ledger beside the log.
