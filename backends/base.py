@@ -144,6 +144,13 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str | None = None
     api_key_id: str | None = None
     user: str | None = None
+    #: The prefix-cache partition of this request (issue 44): a digest the gateway derives
+    #: from the authenticated tenant (or the sharing group an operator declared for it) and
+    #: the request's own ``cache_salt``, never from a field a client can copy. Every cache
+    #: that can report or speed up a hit (engine KV tiers, llama.cpp slots, MLX's prompt
+    #: cache, the cache-aware router) hits only within one salt. None: one shared partition
+    #: (a backend used without the gateway).
+    cache_salt: str | None = None
     #: Absolute ``time.monotonic()`` deadline, or None.
     deadline: float | None = None
     #: OpenAI's ``response_format`` as sent (json_object / json_schema), for remotes.
