@@ -83,6 +83,9 @@ class MockOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     sample_words: bool = False
     #: What ``health()`` reports.
     healthy: bool = True
+    #: Serve ``/tokenize``, ``/detokenize`` and ``count_tokens`` (a word is a token; the text
+    #: of ids is the ids), after ``first_token_delay_s``: admission tests without a model.
+    tokenize: bool = False
 
 
 class MockBackend:
@@ -98,7 +101,9 @@ class MockBackend:
         self.name = config.name
         self.config = config
         self.options = decode_options(config, MockOptions)
-        self.capabilities = Capabilities(logprobs=True, echo=True, max_top_logprobs=20)
+        self.capabilities = Capabilities(
+            logprobs=True, echo=True, max_top_logprobs=20, tokenize=self.options.tokenize
+        )
         self.received: deque[GenerationRequest] = deque(maxlen=1000)
         self.num_started = 0
         self.num_finished = 0
@@ -161,6 +166,11 @@ class MockBackend:
 
     async def _produce(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         options = self.options
+        if request.kind in ("tokenize", "detokenize"):
+            if options.first_token_delay_s > 0:
+                await asyncio.sleep(options.first_token_delay_s)
+            yield _token_answer(request)
+            return
         params = request.params
         source_text, prompt_words = _input_words(request)
         prompt_tokens = len(prompt_words)
@@ -247,6 +257,22 @@ def _input_words(request: GenerationRequest) -> tuple[str, list[str]]:
     else:
         text = prompt or ""
     return text, text.split()
+
+
+def _token_answer(request: GenerationRequest) -> GenerationChunk:
+    """A ``tokenize`` request's word ids, or a ``detokenize`` request's ids as text."""
+    if request.kind == "detokenize":
+        ids = request.prompt if isinstance(request.prompt, tuple) else ()
+        return GenerationChunk(text=" ".join(str(token_id) for token_id in ids), finish_reason="stop")
+    if request.messages is not None:
+        words = [w for m in request.messages for w in m.content.split()]
+    else:
+        words = _input_words(request)[1]
+    return GenerationChunk(
+        token_ids=tuple(_token_id(word) for word in words),
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=len(words), completion_tokens=0),
+    )
 
 
 def _output_words(request: GenerationRequest, prompt_words: list[str], sample: bool) -> list[str]:

@@ -3,7 +3,8 @@
 The body is converted exactly as ``POST /v1/messages`` converts it (system, blocks, tools),
 then the alias's first backend with the model's tokenizer renders and tokenizes it as a
 generation would (``/tokenize``'s path: gateway/controllers/tokenize.py). Like ``/tokenize``
-it is no generation: no admission slot, no usage record.
+it is admitted as a generation is (per-key limits, a global slot, the fair queue) and
+tokenized off the event loop, but leaves no usage record.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, post
+from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from gateway.anthropic.messages import messages_generation_request
 from gateway.anthropic.schemas import CountTokensRequest, CountTokensResponse, MessagesRequest
-from gateway.controllers.tokenize import answer_once, tokenizer_backend
+from gateway.controllers.tokenize import answer_admitted, tokenizer_backend
 from gateway.http.auth import api_key_guard
 from gateway.http.request_id import request_id_of
 from gateway.openai.request_conversion import RequestContext
@@ -43,7 +44,7 @@ class CountTokensController(Controller):
         request: Request[Any, Any, Any],
         data: JSONBody[CountTokensRequest],
         gateway: NamedDependency[GatewayState],
-    ) -> CountTokensResponse:
+    ) -> Response[CountTokensResponse]:
         body = MessagesRequest(
             model=data.model, max_tokens=1, messages=data.messages, system=data.system,
             tools=data.tools, tool_choice=data.tool_choice,
@@ -51,5 +52,6 @@ class CountTokensController(Controller):
         context = RequestContext(request_id=request_id_of(request), limits=gateway.config.limits)
         chat = messages_generation_request(body, context)
         backend = tokenizer_backend(request, gateway, data.model)
-        chunk = await answer_once(backend, msgspec.structs.replace(chat, kind="tokenize", add_generation_prompt=True))
-        return CountTokensResponse(input_tokens=len(chunk.token_ids))
+        ask = msgspec.structs.replace(chat, kind="tokenize", add_generation_prompt=True)
+        chunk, headers = await answer_admitted(request, gateway, backend, ask)
+        return Response(CountTokensResponse(input_tokens=len(chunk.token_ids)), headers=headers)

@@ -130,6 +130,12 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_queued_requests: Annotated[int, msgspec.Meta(ge=0)] = 1024
     #: ... for at most this long (then 503 server_is_overloaded).
     queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    #: Requests (running or queued) of one API key in flight at once on this replica, for a
+    #: key without its own ``max_concurrent``; one more is refused with 429. None: the
+    #: replica's ``max_concurrent_requests``, so one key may fill the slots but never holds
+    #: queue places beyond them. No key (open mode): no per-key cap at all, so the one local
+    #: user is bounded by the global slots and queue only.
+    default_max_concurrent_per_key: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class ApiKeyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

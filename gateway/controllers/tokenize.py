@@ -3,8 +3,13 @@
 The request goes to the first backend of the alias (or the one pinned with
 ``x-infermux-backend``) that has the model's tokenizer (``Capabilities.tokenize``:
 core_engine, llama.cpp), as a one-chunk ``generate`` of kind ``tokenize`` / ``detokenize``,
-so it reaches an engine in its worker process the way generation does. It is not a
-generation: no admission slot, no plugin hooks, no usage record (nothing is computed that
+so it reaches an engine in its worker process the way generation does. Tokenizing a body of
+up to ``[server] max_body_bytes`` costs the backend CPU like a prefill's prompt, so the
+request is admitted as generation is (gateway/serving/admission.py: the key's
+``max_concurrent`` and ``rpm``, a global slot or a place in the fair queue; refusals 429 /
+503, answers carry the ``x-ratelimit-*`` headers), and the backends tokenize on a worker
+thread, off the event loop that streams everyone else's tokens. It is otherwise no
+generation: no plugin hooks, no usage record, no tokens charged (nothing is generated that
 anyone pays for). The tokens are those a completion of ``prompt``, or a chat request of
 ``messages``, would start from.
 """
@@ -13,13 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Request, post
+import msgspec
+from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
-from backends.base import Backend, ChatMessage, GenerationRequest
+from backends.base import Backend, ChatMessage, GenerationChunk, GenerationRequest
 from backends.errors import InvalidRequestError, UnsupportedParameterError
-from gateway.http.auth import api_key_guard
+from gateway.http.auth import api_key_guard, api_key_of
 from gateway.http.request_id import request_id_of
 from gateway.http.respond import BACKEND_HEADER
 from gateway.openai.request_conversion import RequestContext, chat_generation_requests
@@ -32,7 +38,7 @@ from gateway.openai.schemas import (
 )
 from gateway.state import GatewayState
 
-__all__ = ["TokenizeController", "answer_once", "tokenizer_backend"]
+__all__ = ["TokenizeController", "answer_admitted", "answer_once", "tokenizer_backend"]
 
 
 class TokenizeController(Controller):
@@ -54,7 +60,7 @@ class TokenizeController(Controller):
         request: Request[Any, Any, Any],
         data: JSONBody[TokenizeRequest],
         gateway: NamedDependency[GatewayState],
-    ) -> TokenizeResponse:
+    ) -> Response[TokenizeResponse]:
         if (data.prompt is None) == (data.messages is None):
             raise InvalidRequestError("send either prompt or messages", param="prompt")
         messages: tuple[ChatMessage, ...] | None = None
@@ -72,11 +78,12 @@ class TokenizeController(Controller):
             prompt=data.prompt,
             add_generation_prompt=data.add_generation_prompt,
         )
-        chunk = await answer_once(backend, ask)
+        chunk, headers = await answer_admitted(request, gateway, backend, ask)
         tokens = list(chunk.token_ids)
-        return TokenizeResponse(
+        body = TokenizeResponse(
             count=len(tokens), max_model_len=backend.model_info().context_length, tokens=tokens
         )
+        return Response(body, headers=headers)
 
     @post(
         "/detokenize",
@@ -89,7 +96,7 @@ class TokenizeController(Controller):
         request: Request[Any, Any, Any],
         data: JSONBody[DetokenizeRequest],
         gateway: NamedDependency[GatewayState],
-    ) -> DetokenizeResponse:
+    ) -> Response[DetokenizeResponse]:
         backend = tokenizer_backend(request, gateway, data.model)
         ask = GenerationRequest(
             request_id=request_id_of(request),
@@ -97,8 +104,8 @@ class TokenizeController(Controller):
             kind="detokenize",
             prompt=tuple(data.tokens),
         )
-        chunk = await answer_once(backend, ask)
-        return DetokenizeResponse(prompt=chunk.text)
+        chunk, headers = await answer_admitted(request, gateway, backend, ask)
+        return Response(DetokenizeResponse(prompt=chunk.text), headers=headers)
 
 
 def _context(request: Request[Any, Any, Any], gateway: GatewayState) -> RequestContext:
@@ -130,6 +137,21 @@ def tokenizer_backend(request: Request[Any, Any, Any], gateway: GatewayState, mo
         "core_engine and llamacpp backends)",
         param="model",
     )
+
+
+async def answer_admitted(
+    request: Request[Any, Any, Any], gateway: GatewayState, backend: Backend, ask: GenerationRequest
+) -> tuple[GenerationChunk, dict[str, str]]:
+    """``backend``'s one chunk for ``ask``, admitted under the request's API key (a slot held
+    while the backend works), and the key's ``x-ratelimit-*`` headers."""
+    api_key = api_key_of(request)
+    if api_key is not None:
+        ask = msgspec.structs.replace(ask, tenant=api_key.tenant, api_key_id=api_key.id)
+    grant = await gateway.admission.admit(api_key)
+    try:
+        return await answer_once(backend, ask), grant.headers
+    finally:
+        await grant.release()
 
 
 async def answer_once(backend: Backend, ask: GenerationRequest) -> Any:

@@ -1,15 +1,19 @@
 """Admission: per-key rate limits, then the global limit on concurrent generation requests.
 
 Per key (``[[auth.keys]]`` ``rpm`` / ``tpm``) two token buckets refill continuously over a
-minute, and ``max_concurrent`` caps the key's requests in flight. A request takes one request token; its tokens (prompt + completion, from the
-backend's usage) are charged when it ends, so the token bucket may go below zero and then
-refuses requests until it has refilled above zero. Refusals are 429 ``rate_limit_exceeded``
-with ``Retry-After``; every answer of a limited key carries OpenAI's ``x-ratelimit-*``
-headers.
+minute, and ``max_concurrent`` caps the key's requests in flight (a key without one has
+``[limits] default_max_concurrent_per_key``, so no key holds every queue place). A request
+takes one request token; its tokens (prompt + completion, from the backend's usage) are
+charged when it ends, so the token bucket may go below zero and then refuses requests until
+it has refilled above zero. Refusals are 429 ``rate_limit_exceeded`` with ``Retry-After``;
+every answer of a limited key carries OpenAI's ``x-ratelimit-*`` headers.
 
-Globally, at most ``[limits] max_concurrent_requests`` generation requests run at once; the
-next ``max_queued_requests`` wait in FIFO order for up to ``queue_timeout_s``. A full queue
-or a wait that runs out is a 503 ``server_is_overloaded`` with ``Retry-After``.
+Globally, at most ``[limits] max_concurrent_requests`` requests run at once; the next
+``max_queued_requests`` wait for up to ``queue_timeout_s``, served fairly between keys
+(:class:`ConcurrencyLimiter`). A full queue or a wait that runs out is a 503
+``server_is_overloaded`` with ``Retry-After``. Every endpoint that makes a backend compute
+is admitted so: generation, embeddings, and the tokenizer's ``/tokenize``, ``/detokenize``
+and ``/v1/messages/count_tokens``.
 
 With ``[state] backend = "redis"`` the per-key buckets live in Redis, shared by every
 replica (:class:`~gateway.serving.shared_limits.SharedKeyRateLimiter`, the same interface);
@@ -23,13 +27,10 @@ import collections
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from backends.errors import RateLimitError, ServerOverloadedError
 from gateway.config.types import ApiKeyConfig, LimitsConfig
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "Admission",
@@ -203,44 +204,56 @@ class KeyRateLimiter:
 
 
 class ConcurrencyLimiter:
-    """At most ``max_active`` holders; ``max_queued`` more wait (FIFO) up to ``timeout_s``."""
+    """At most ``max_active`` holders; ``max_queued`` more wait up to ``timeout_s``.
+
+    The queue is fair between owners (API keys; ``None``: open mode's one user): a freed
+    slot goes to the queued owner with the fewest slots held, ties to the one served least
+    recently, and within an owner to its oldest waiter. So a key that floods the queue waits
+    behind its own requests only: another key's request gets the next free slot whenever it
+    holds fewer slots than the flooder (FIFO let 1,024 queued requests of one key go first)."""
 
     def __init__(self, *, max_active: int, max_queued: int, timeout_s: float) -> None:
         self.max_active = max_active
         self.max_queued = max_queued
         self.timeout_s = timeout_s
         self.num_active = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        #: Owner -> its waiters, oldest first (an owner is here while it has any).
+        self._waiters: dict[str | None, collections.deque[asyncio.Future[None]]] = {}
+        #: Owner -> slots it holds now.
+        self._num_held: collections.Counter[str | None] = collections.Counter()
+        #: Owner -> the number of the grant it last got (the tie-break: longest ago first).
+        self._last_grant: dict[str | None, int] = {}
+        self._num_grants = 0
 
     @property
     def num_queued(self) -> int:
-        return len(self._waiters)
+        return sum(len(waiters) for waiters in self._waiters.values())
 
-    async def acquire(self) -> None:
-        """Hold a slot (call :meth:`release` once), or :class:`ServerOverloadedError`."""
+    async def acquire(self, owner: str | None = None) -> None:
+        """Hold a slot for ``owner`` (call :meth:`release` with it once), or
+        :class:`ServerOverloadedError`."""
         if self.num_active < self.max_active and not self._waiters:
             self.num_active += 1
+            self._granted(owner)
             return
-        if len(self._waiters) >= self.max_queued:
+        num_queued = self.num_queued
+        if num_queued >= self.max_queued:
             raise ServerOverloadedError(
                 f"infermux is at capacity ({self.max_active} requests running, "
-                f"{len(self._waiters)} waiting); retry shortly",
+                f"{num_queued} waiting); retry shortly",
                 retry_after=_OVERLOADED_RETRY_AFTER_S,
             )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        self._waiters.setdefault(owner, collections.deque()).append(waiter)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await waiter
         except BaseException as exc:
             if waiter.done() and not waiter.cancelled():
-                self.release()  # the slot was handed over as we left: pass it on
+                self.release(owner)  # the slot was handed over as we left: pass it on
             else:
                 waiter.cancel()
-                try:
-                    self._waiters.remove(waiter)
-                except ValueError:
-                    pass
+                self._forget(owner, waiter)
             if isinstance(exc, TimeoutError):
                 raise ServerOverloadedError(
                     f"infermux is at capacity: no request slot freed up within "
@@ -249,15 +262,40 @@ class ConcurrencyLimiter:
                 ) from None
             raise
 
-    def release(self) -> None:
-        """Free a slot: hand it to the oldest waiter, if any."""
+    def release(self, owner: str | None = None) -> None:
+        """Free ``owner``'s slot: hand it to the next waiter (see the class), if any."""
+        self._num_held[owner] -= 1
+        if self._num_held[owner] <= 0:
+            del self._num_held[owner]
         while self._waiters:
-            waiter = self._waiters.popleft()
+            chosen = min(
+                self._waiters, key=lambda o: (self._num_held[o], self._last_grant.get(o, -1))
+            )
+            waiter = self._waiters[chosen].popleft()
+            if not self._waiters[chosen]:
+                del self._waiters[chosen]
             if not waiter.done():
                 waiter.set_result(None)  # the slot moves on; num_active is unchanged
+                self._granted(chosen)
                 return
         self.num_active -= 1
         assert self.num_active >= 0, "ConcurrencyLimiter released more often than acquired"
+
+    def _granted(self, owner: str | None) -> None:
+        self._num_held[owner] += 1
+        self._num_grants += 1
+        self._last_grant[owner] = self._num_grants
+
+    def _forget(self, owner: str | None, waiter: asyncio.Future[None]) -> None:
+        waiters = self._waiters.get(owner)
+        if waiters is None:
+            return
+        try:
+            waiters.remove(waiter)
+        except ValueError:
+            pass
+        if not waiters:
+            del self._waiters[owner]
 
 
 class Grant:
@@ -270,11 +308,14 @@ class Grant:
         key: ApiKeyConfig | None,
         headers: dict[str, str],
         lease: str | None = None,
+        *,
+        default_capped: bool = False,
     ) -> None:
         self._admission = admission
         self._key = key
         self.headers = headers
         self._lease = lease
+        self._default_capped = default_capped
 
     async def release(self, num_tokens: int = 0) -> None:
         """Free the slot and the lease, then charge ``num_tokens`` to the key. Called once, by
@@ -283,15 +324,21 @@ class Grant:
 
         Awaited, so that with shared limits the charge is in Redis before the response's
         last bytes leave and the client's next request, on any replica, sees it."""
-        self._admission.concurrency.release()
+        key = self._key
+        self._admission.concurrency.release(key.id if key is not None else None)
+        if self._default_capped and key is not None:
+            self._admission.leave_default_cap(key)
         limiter = self._admission.rate_limiter
-        if self._lease is not None and self._key is not None:
-            await limiter.leave(self._key, self._lease)
-        await limiter.charge_tokens(self._key, num_tokens)
+        if self._lease is not None and key is not None:
+            await limiter.leave(key, self._lease)
+        await limiter.charge_tokens(key, num_tokens)
 
 
 class Admission:
-    """Per-key limits, then a global slot: :meth:`admit` returns a :class:`Grant`."""
+    """Per-key limits, then a global slot: :meth:`admit` returns a :class:`Grant`.
+
+    A key without its own ``max_concurrent`` has ``[limits] default_max_concurrent_per_key``
+    (None: ``max_concurrent_requests``), counted in this replica as the global slots are."""
 
     def __init__(self, limits: LimitsConfig, rate_limiter: KeyLimits) -> None:
         """``rate_limiter``: this replica's :class:`KeyRateLimiter`, or the one every replica
@@ -302,6 +349,11 @@ class Admission:
             max_queued=limits.max_queued_requests,
             timeout_s=limits.queue_timeout_s,
         )
+        self.default_max_concurrent_per_key = (
+            limits.default_max_concurrent_per_key or limits.max_concurrent_requests
+        )
+        #: Key id -> requests in flight, for the keys under the default cap.
+        self._num_in_flight_by_key: collections.Counter[str] = collections.Counter()
 
     @property
     def num_in_flight(self) -> int:
@@ -310,15 +362,34 @@ class Admission:
 
     async def admit(self, key: ApiKeyConfig | None) -> Grant:
         # The key's concurrency first: a request refused for it spends no request token.
-        lease = await self.rate_limiter.enter(key)
+        default_capped = key is not None and key.max_concurrent is None
+        if default_capped:
+            assert key is not None
+            self._enter_default_cap(key)
+        lease = None
         try:
+            lease = await self.rate_limiter.enter(key)
             headers = await self.rate_limiter.admit(key)
-            await self.concurrency.acquire()
+            await self.concurrency.acquire(key.id if key is not None else None)
         except BaseException:
             if lease is not None and key is not None:
                 await self.rate_limiter.leave(key, lease)
+            if default_capped and key is not None:
+                self.leave_default_cap(key)
             raise
-        return Grant(self, key, headers, lease)
+        return Grant(self, key, headers, lease, default_capped=default_capped)
+
+    def _enter_default_cap(self, key: ApiKeyConfig) -> None:
+        cap = self.default_max_concurrent_per_key
+        if self._num_in_flight_by_key[key.id] >= cap:
+            raise concurrency_refusal(key, cap)
+        self._num_in_flight_by_key[key.id] += 1
+
+    def leave_default_cap(self, key: ApiKeyConfig) -> None:
+        """One request fewer of ``key`` (a key under the default cap) in flight."""
+        self._num_in_flight_by_key[key.id] -= 1
+        if self._num_in_flight_by_key[key.id] <= 0:
+            del self._num_in_flight_by_key[key.id]
 
 
 def _duration(seconds: float) -> str:
