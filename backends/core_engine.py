@@ -654,7 +654,8 @@ class CoreEngineBackend:
         req_id = f"{request.request_id}-{request.choice_index}-prefill-{self._counter}"
         try:
             engine_request = llm.engine.make_prefill_request(
-                req_id, prompt_ids, params, labels=request.labels, tenant=request.tenant
+                req_id, prompt_ids, params, labels=request.labels, tenant=request.tenant,
+                cache_salt=request.cache_salt,
             )
         except RequestTooLongError as exc:
             raise ContextLengthExceededError(exc.message, param=exc.param) from exc
@@ -720,12 +721,13 @@ class CoreEngineBackend:
             try:
                 if engine_params.structured_outputs is None:
                     engine_request = llm.engine.make_request(
-                        req_id, prompt_ids, engine_params, labels=request.labels, tenant=request.tenant
+                        req_id, prompt_ids, engine_params, labels=request.labels, tenant=request.tenant,
+                        cache_salt=request.cache_salt,
                     )
                 else:  # compiling the constraint may take milliseconds: off the event loop
                     engine_request = await asyncio.to_thread(
                         llm.engine.make_request, req_id, prompt_ids, engine_params,
-                        labels=request.labels, tenant=request.tenant,
+                        labels=request.labels, tenant=request.tenant, cache_salt=request.cache_salt,
                     )
             except RequestTooLongError as exc:
                 raise ContextLengthExceededError(

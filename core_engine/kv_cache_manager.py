@@ -16,6 +16,9 @@ KV-cache layout (shared contract with ``core_engine/kernels`` and ``paged_attent
 Prefix caching
 --------------
 Full blocks are keyed by ``blake2b(parent_hash + token ids)`` so a hash names the whole prefix.
+The first block's parent is the request's ``cache_salt`` (the tenant's partition, issue 44):
+two salts never share a hash, so neither this cache nor the host and disk tiers keyed by the
+same hashes can hit (and report ``cached_tokens`` for) a prefix another partition computed.
 A new request walks its prompt's hashes and reuses every leading cached block (at least one
 token is always left to compute, so the request has logits to sample from). Freed blocks keep
 their hash until they are handed out again (LRU, see :mod:`core_engine.block_pool`).
@@ -38,19 +41,34 @@ __all__ = ["KVCacheManager", "hash_block_tokens", "prompt_block_hashes"]
 _ROOT_HASH = b"infermux-kv-root"
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of one full block: it identifies the block *and* everything before it."""
-    h = hashlib.blake2b(parent_hash or _ROOT_HASH, digest_size=16)
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None = None
+) -> bytes:
+    """Chained hash of one full block: it identifies the block *and* everything before it.
+
+    ``cache_salt`` counts for the first block only (``parent_hash`` None): every later hash
+    chains from that one, so the salt reaches them all.
+    """
+    if parent_hash is not None:
+        root = parent_hash
+    elif cache_salt is None:
+        root = _ROOT_HASH
+    else:
+        # Longer than any 16-byte parent hash, so a salted root is never a block's hash.
+        root = _ROOT_HASH + b"\0" + cache_salt.encode()
+    h = hashlib.blake2b(root, digest_size=16)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
     """The chained hashes of ``token_ids``' full blocks, exactly as the engine keys its prefix
-    cache (a router compares them with the hashes an engine reported as cached)."""
+    cache for a request of ``cache_salt`` (a router compares them with the hashes an engine
+    reported as cached)."""
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], cache_salt))
     return hashes
 
 
@@ -111,7 +129,8 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Leading cached blocks of ``request``'s known tokens and how many tokens they hold.

@@ -312,9 +312,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         labels: dict[str, str] | None = None,
         tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenize (no engine state touched: safe from any thread). ``labels``
-        and ``tenant`` are what the speculation policy sees of the request's origin."""
+        and ``tenant`` are what the speculation policy sees of the request's origin;
+        ``cache_salt`` is the prefix-cache partition it may hit (see :class:`Request`)."""
         if isinstance(prompt, str):
             prompt_ids = self.tokenizer.encode(prompt, add_special=True, parse_special=True)
         else:
@@ -352,7 +354,7 @@ class LLMEngine:
             )
         request = Request(
             req_id, prompt_ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival_time, labels=labels, tenant=tenant,
+            arrival_time=arrival_time, labels=labels, tenant=tenant, cache_salt=cache_salt,
         )
         if params.structured_outputs is not None:
             request.matcher = self.grammars.compile(params.structured_outputs)
@@ -396,11 +398,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         labels: dict[str, str] | None = None,
         tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """A prefill-only request: validated as the whole request would be, it stops after its
         first token and its last output carries ``prefilled`` (the prompt's KV blocks and that
         token) for :meth:`add_prefilled_request` on a decode engine."""
-        request = self.make_request(req_id, prompt, params, arrival_time=arrival_time, labels=labels, tenant=tenant)
+        request = self.make_request(
+            req_id, prompt, params, arrival_time=arrival_time, labels=labels, tenant=tenant, cache_salt=cache_salt
+        )
         request.max_tokens = 1
         request.kv_export = True
         return request

@@ -64,6 +64,7 @@ class Request:
         arrival_time: float | None = None,
         labels: dict[str, str] | None = None,
         tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -103,6 +104,10 @@ class Request:
         #: KV cache quota).
         self.labels: dict[str, str] = dict(labels or {})
         self.tenant = tenant
+        #: The prefix-cache partition (``GenerationRequest.cache_salt``): it salts the first
+        #: block's hash, so this request hits only prefixes computed under the same salt
+        #: (None: the one unsalted partition).
+        self.cache_salt = cache_salt
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

@@ -28,7 +28,7 @@ from backends.errors import BackendConfigError, BackendUnavailableError, ServerO
 from backends.worker import WorkerBackend
 from gateway.config.types import ConfigError, InfermuxConfig
 from gateway.http.auth import KeyStore
-from gateway.openai.response_store import ResponseStore
+from gateway.openai.response_store import open_response_store
 from gateway.serving.admission import Admission, KeyRateLimiter
 from gateway.serving.shared_limits import SharedKeyRateLimiter
 from plugins.builtin.cost.plugin import resolve_ledger_path
@@ -110,8 +110,10 @@ class GatewayState:
         self.draining = False
         #: API keys (gateway/http/auth.py) and admission: per-key limits, global concurrency.
         self.key_store = KeyStore(config.auth.keys)
-        #: The Responses API's stored responses, in the ledger's SQLite file (opened on use).
-        self.response_store = ResponseStore(resolve_ledger_path(config.cost))
+        #: The Responses API's stored responses, where the ledger is: Postgres with ``[cost]
+        #: database`` (shared by replicas), else its SQLite file; opened on first use, called
+        #: on worker threads.
+        self.response_store = open_response_store(config, resolve_ledger_path(config.cost))
         #: ``[state] backend = "redis"``: the per-key limits every replica shares.
         try:
             self.shared_state = open_state(config.state)
@@ -256,7 +258,7 @@ class GatewayState:
         for backend in self.backends.values():
             await _close_quietly(backend)
         await self.hooks.shutdown()
-        self.response_store.close()
+        await self.response_store.aclose()
         if self.shared_state is not None:
             await self.shared_state.aclose()
 

@@ -189,6 +189,7 @@ def messages_generation_request(body: MessagesRequest, context: RequestContext) 
         prefix_pins=tuple(PrefixPin(num_messages=n, ttl_s=ttl) for n, ttl in sorted(pins.items())),
         traceparent=context.traceparent,
         labels=dict(context.labels),
+        cache_salt=context.cache_salt(None),
         **_tools(body, context),
     )
 

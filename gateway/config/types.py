@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from backends.base import BackendConfig
+from gateway.config.cache import CacheConfig
 from gateway.config.telemetry import TelemetryConfig
 from plugins.builtin.cost.config import CostConfig
 
@@ -26,6 +27,7 @@ __all__ = [
     "ModelConfig",
     "PluginsConfig",
     "ReasoningConfig",
+    "ResponsesConfig",
     "ServerConfig",
     "StateConfig",
 ]
@@ -205,6 +207,22 @@ class StateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     retry_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
 
+class ResponsesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[responses]``: retention of the Responses API's stored responses, per API key.
+
+    They live where the ledger does: Postgres with ``[cost] database`` (every replica
+    reads them), else the ledger's SQLite file (gateway/openai/response_store.py).
+    """
+
+    #: Older ones are deleted (OpenAI keeps them 30 days).
+    max_age_s: Annotated[float, msgspec.Meta(gt=0)] = 30 * 24 * 3600.0
+    #: A key's newest this many are kept; storing one more deletes its oldest.
+    max_per_key: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+    #: A key's stored responses and conversations in bytes; storing one more deletes the
+    #: key's oldest until it fits. One response alone over it is refused (400, ``store``).
+    max_bytes_per_key: Annotated[int, msgspec.Meta(ge=1)] = 256 * 1024 * 1024
+
+
 class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole routing config."""
 
@@ -221,3 +239,7 @@ class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     cost: CostConfig = CostConfig()
     #: Shared state of replicas: rate limits and budgets in memory or in Redis.
     state: StateConfig = StateConfig()
+    #: The Responses API's stored responses: their retention and per-key quotas.
+    responses: ResponsesConfig = ResponsesConfig()
+    #: Which tenants share cached prompt prefixes (gateway/config/cache.py).
+    cache: CacheConfig = CacheConfig()

@@ -1,5 +1,5 @@
 """The checks a decoded config must pass beyond its types: names, duplicates, references
-between tables, auth keys, plugin paths and ``[cost]``.
+between tables, auth keys, plugin paths, ``[cache]`` sharing groups and ``[cost]``.
 
 Every error is a :class:`~gateway.config.types.ConfigError` whose message starts with the
 key path at fault (``backends[1].kind: unknown backend kind 'foo'``).
@@ -12,6 +12,7 @@ from collections.abc import Collection
 from typing import Any
 
 from backends.base import BackendConfig
+from gateway.config.cache import CacheConfig
 from gateway.config.types import AuthConfig, ConfigError, InfermuxConfig, PluginsConfig
 
 __all__ = ["check_backend_keys", "check_registered_names", "validate"]
@@ -102,6 +103,7 @@ def _validate(config: InfermuxConfig) -> None:
             raise _fail(f"backends[{i}].max_concurrency", "must be >= 1 (or absent)")
 
     _validate_auth(config.auth)
+    _validate_cache(config.cache)
     token = config.server.metrics_token_sha256
     if token is not None and not _SHA256_HEX.fullmatch(token):
         raise _fail(
@@ -197,6 +199,30 @@ def _validate_auth(auth: AuthConfig) -> None:
         seen_hashes[digest] = i
         if not _NAME.fullmatch(key.tenant):
             raise _fail(f"auth.keys[{i}].tenant", f"{key.tenant!r} is not a valid tenant name")
+
+
+def _validate_cache(cache: CacheConfig) -> None:
+    # A tenant in two groups would share with both, so each group would also share with
+    # the other's tenants through it: refused rather than silently widened.
+    seen_names: dict[str, int] = {}
+    seen_tenants: dict[str, int] = {}
+    for i, group in enumerate(cache.sharing_groups):
+        key = f"cache.sharing_groups[{i}]"
+        if not _NAME.fullmatch(group.name):
+            raise _fail(f"{key}.name", f"{group.name!r} is not a valid group name")
+        if group.name in seen_names:
+            raise _fail(
+                f"{key}.name", f"duplicate group name {group.name!r} (also cache.sharing_groups[{seen_names[group.name]}])"
+            )
+        seen_names[group.name] = i
+        for tenant in group.tenants:
+            if not _NAME.fullmatch(tenant):
+                raise _fail(f"{key}.tenants", f"{tenant!r} is not a valid tenant name")
+            if tenant in seen_tenants:
+                other = seen_tenants[tenant]
+                where = "listed twice" if other == i else f"also in cache.sharing_groups[{other}]"
+                raise _fail(f"{key}.tenants", f"tenant {tenant!r} is {where}: a tenant shares with one group at most")
+            seen_tenants[tenant] = i
 
 
 def _validate_cost(config: InfermuxConfig) -> None:

@@ -10,7 +10,10 @@ conversion checks them. So every backend serves it, through the same admission, 
 router, ledger (``kind = "chat"``) and traces as chat. The answer is OpenAI's response
 object, or its typed event stream (``response.created`` ... ``response.completed``, each
 with its ``sequence_number``). With ``store`` (the default) the response and its
-conversation go to the :class:`~gateway.openai.response_store.ResponseStore`, keyed on the API key.
+conversation go to the response store (gateway/openai/response_store.py: Postgres shared by
+replicas, or the ledger's SQLite file), keyed on the API key; every store call runs on the
+store's worker threads, awaited, never on the event loop. A new response is stored before
+its body or last frames are sent, so a follow-up on any replica finds it.
 Function ``tools`` (and ``tool_choice``, ``parallel_tool_calls``) are chat's tools in
 Responses' flat shape; the model's calls are ``function_call`` output items, and a
 follow-up sends ``function_call_output`` items back (as chat's ``role = "tool"`` turns).
@@ -37,7 +40,7 @@ from gateway.http.errors import invalid_body_error
 from gateway.http.respond import Generation
 from gateway.openai.request_conversion import RequestContext, chat_generation_requests
 from gateway.openai.response_output import ResponseOutput
-from gateway.openai.response_store import ResponseStore
+from gateway.openai.response_store import StoredResponses
 from gateway.openai.schemas import (
     ChatCompletionRequest,
     ChatMessageParam,
@@ -165,14 +168,14 @@ def _param(param: str | None) -> str | None:
     return {"max_completion_tokens": "max_output_tokens"}.get(param, param)
 
 
-def responses_endpoint(store: ResponseStore) -> GenerationEndpoint[ResponseRequest]:
+def responses_endpoint(store: StoredResponses) -> GenerationEndpoint[ResponseRequest]:
     """``POST /v1/responses`` for one app, storing in ``store``."""
 
-    def prepare(data: ResponseRequest, context: RequestContext) -> Generation:
+    async def prepare(data: ResponseRequest, context: RequestContext) -> Generation:
         tools, tool_choice = _chat_tools(data)
         conversation: list[dict[str, Any]] = []
         if data.previous_response_id is not None:
-            previous = store.get(data.previous_response_id, context.api_key_id)
+            previous = await store.get(data.previous_response_id, context.api_key_id)
             if previous is None:
                 raise NotFoundError(
                     f"no stored response {data.previous_response_id!r}", param="previous_response_id"
@@ -211,7 +214,7 @@ def responses_endpoint(store: ResponseStore) -> GenerationEndpoint[ResponseReque
             data=data, conversation=conversation, store=store, api_key_id=context.api_key_id
         )
         # The stream ends with response.completed (or .incomplete): no "data: [DONE]".
-        return Generation(requests, output, 1, bool(data.stream), done_frame=b"")
+        return Generation(requests, output, 1, bool(data.stream), done_frame=b"", persist=output.persist)
 
     return GenerationEndpoint(
         path="/v1/responses",
@@ -243,7 +246,7 @@ class ResponseController(Controller):
     async def get_response(
         self, request: Request[Any, Any, Any], gateway: NamedDependency[GatewayState], response_id: ResponseId
     ) -> ResponseObject:
-        stored = gateway.response_store.get(response_id, _key_id(request))
+        stored = await gateway.response_store.get(response_id, _key_id(request))
         if stored is None:
             raise NotFoundError(f"no stored response {response_id!r}", param="response_id")
         return msgspec.json.decode(stored.body, type=ResponseObject)
@@ -252,7 +255,7 @@ class ResponseController(Controller):
     async def delete_response(
         self, request: Request[Any, Any, Any], gateway: NamedDependency[GatewayState], response_id: ResponseId
     ) -> ResponseDeleted:
-        if not gateway.response_store.delete(response_id, _key_id(request)):
+        if not await gateway.response_store.delete(response_id, _key_id(request)):
             raise NotFoundError(f"no stored response {response_id!r}", param="response_id")
         return ResponseDeleted(id=response_id)
 

@@ -18,7 +18,7 @@ added by :func:`gateway.http.openapi.complete_openapi` from each :class:`Generat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 import msgspec
@@ -69,7 +69,7 @@ class GenerationEndpoint(Generic[BodyT]):
         description: str,
         body_type: type[BodyT],
         response_type: type[msgspec.Struct],
-        prepare: Callable[[BodyT, RequestContext], Generation],
+        prepare: Callable[[BodyT, RequestContext], Generation | Awaitable[Generation]],
         stream_type: type[msgspec.Struct] | None = None,
     ) -> None:
         self.path = path
@@ -78,7 +78,8 @@ class GenerationEndpoint(Generic[BodyT]):
         self.description = description
         self.body_type = body_type
         self.response_type = response_type
-        #: Wire body -> backend requests and output builder (raises 400s naming the field).
+        #: Wire body -> backend requests and output builder (raises 400s naming the field);
+        #: async where it reads a store (the Responses API's ``previous_response_id``).
         self.prepare = prepare
         #: What one streamed event carries (None: ``<response_type>Chunk``, as chat's).
         self.stream_type = stream_type
@@ -123,7 +124,7 @@ async def _serve(
     body = _decode(raw, endpoint.body_type)
     check_raw_body(raw)
     config = gateway.config
-    generation = endpoint.prepare(
+    prepared = endpoint.prepare(
         body,
         RequestContext(
             request_id=request_id,
@@ -132,8 +133,10 @@ async def _serve(
             traceparent=headers.get("traceparent"),
             labels=_with_key_slo(header_labels(headers, (*config.plugins.request_headers, *SLO_HEADERS)), api_key),
             api_key_id=api_key.id if api_key is not None else None,
+            cache_partition=config.cache.partition_of(api_key.tenant) if api_key is not None else None,
         ),
     )
+    generation = prepared if isinstance(prepared, Generation) else await prepared
     await respond(
         scope,
         receive,

@@ -78,6 +78,10 @@ class Generation(NamedTuple):
     #: ``[DONE]`` and error envelope; Anthropic's Messages API has its own).
     done_frame: bytes = DONE_FRAME
     error_frame: Callable[[InfermuxError], bytes] = error_frame
+    #: Awaited once the body or the last frames are built, before they are sent: the
+    #: Responses API stores its response there (off the event loop), so that a follow-up
+    #: sent as soon as the answer arrives finds it, on any replica.
+    persist: Callable[[], Awaitable[None]] | None = None
 
 
 async def respond(
@@ -135,6 +139,8 @@ async def respond(
     try:
         body = msgspec.json.encode(output.body(life.run))
         await _finish(life)
+        if generation.persist is not None:
+            await generation.persist()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", b"%d" % len(body)),
@@ -214,6 +220,8 @@ async def _sse(life: RequestLife, generation: Generation, request_id: str) -> As
                 yield frames
         await _finish(life)
         end = output.end_frames(usage_info(run.total_usage()))
+        if generation.persist is not None:
+            await generation.persist()
         if end:
             yield end
         if generation.done_frame:

@@ -8,6 +8,7 @@ combinations such as ``top_logprobs`` without ``logprobs``) live here and raise
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -97,6 +98,21 @@ class RequestContext(msgspec.Struct, frozen=True, kw_only=True):
     #: The id of the API key that sent it (None in open mode): the Responses API keys
     #: its stored responses on it.
     api_key_id: str | None = None
+    #: The prefix-cache partition of the key's tenant (``CacheConfig.partition_of``: the
+    #: tenant's own, or its sharing group's). None in open mode: one local user, one tenant.
+    cache_partition: str | None = None
+
+    def cache_salt(self, client_salt: str | None) -> str | None:
+        """``GenerationRequest.cache_salt``: a digest of the partition and the request's own
+        ``cache_salt``, which can only narrow the partition (a client never names another
+        tenant's partition: the partition comes from its key). None (the one unsalted
+        partition) in open mode without a client salt: there is no other tenant to keep
+        apart, and the engine's own users (offline, benchmarks) share its cache as before."""
+        if self.cache_partition is None and client_salt is None:
+            return None
+        digest = hashlib.sha256(b"infermux-cache-salt\0")
+        digest.update(msgspec.json.encode([self.cache_partition, client_salt]))
+        return digest.hexdigest()
 
 
 def usage_chunk_wanted(body: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -185,6 +201,7 @@ def chat_generation_requests(
         reasoning_budget=budget,
         traceparent=context.traceparent,
         labels=dict(context.labels),
+        cache_salt=context.cache_salt(body.cache_salt),
         resume=resume,
     )
     return _fan_out([template], n, request_id)
@@ -265,6 +282,7 @@ def completion_generation_requests(
     n = _choice_count(body.n, len(prompts), limits)
     _check_stream_options(body.stream, body.stream_options is not None)
     structured = structured_outputs_of(body, None, limits)
+    cache_salt = context.cache_salt(body.cache_salt)
     templates = [
         GenerationRequest(
             request_id=request_id,
@@ -277,6 +295,7 @@ def completion_generation_requests(
             structured_outputs=structured,
             traceparent=context.traceparent,
             labels=dict(context.labels),
+            cache_salt=cache_salt,
         )
         for prompt in prompts
     ]

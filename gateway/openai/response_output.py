@@ -3,7 +3,8 @@ event stream (``response.created`` ... ``response.completed``), and the stored r
 
 Output items are numbered in the order they start: the message when the first text
 arrives, each function call when its first delta does (so a tool-only answer has no empty
-message before its calls).
+message before its calls). The response is stored by :meth:`ResponseOutput.persist`, which
+the serving code awaits once the body or last frames are built and before they are sent.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import msgspec
 
 from backends.base import GenerationChunk
-from gateway.openai.response_store import ResponseStore
+from gateway.openai.response_store import StoredResponses
 from gateway.openai.schemas import (
     FunctionCallItem,
     OutputMessage,
@@ -69,7 +70,7 @@ class ResponseOutput:
         *,
         data: ResponseRequest,
         conversation: list[dict[str, Any]],
-        store: ResponseStore | None,
+        store: StoredResponses | None,
         api_key_id: str | None,
     ) -> None:
         self.data = data
@@ -85,6 +86,8 @@ class ResponseOutput:
         self._num_items = 0
         self._finish_reason: str | None = None
         self._sequence = 0
+        #: What :meth:`persist` stores: the final body and the conversation it ends.
+        self._to_store: tuple[bytes, list[dict[str, Any]]] | None = None
 
     # -- the response object ----------------------------------------------------------
 
@@ -149,8 +152,14 @@ class ResponseOutput:
                     {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": "".join(c.arguments)}}
                     for c in self._calls.values()
                 ]
-            self.store.put(self.response_id, self.api_key_id, _encoder.encode(response), [*self.conversation, turn])
+            self._to_store = (_encoder.encode(response), [*self.conversation, turn])
         return response
+
+    async def persist(self) -> None:
+        """Store the ended response (with ``store``), on the store's worker threads."""
+        if self.store is not None and self._to_store is not None:
+            body, conversation = self._to_store
+            await self.store.put(self.response_id, self.api_key_id, body, conversation)
 
     def _message(self, status: str, *, with_text: bool = True) -> OutputMessage:
         content = [OutputText(text="".join(self._texts))] if with_text else []

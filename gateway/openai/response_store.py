@@ -1,52 +1,112 @@
 """Stored responses of the Responses API: ``store`` + ``previous_response_id``, ``GET`` and
 ``DELETE /v1/responses/{id}``.
 
-One table, ``responses``, in the SQLite file of the usage ledger by default (``[cost]
-ledger_path`` / ``$INFERMUX_LEDGER_PATH``, else ``var/ledger.sqlite3``): one file to back
-up, and the same WAL mode. Each row is the response body as answered, the conversation it
-ends (the chat messages a follow-up continues from, without ``instructions``, which OpenAI
-does not carry over), and the API key id that created it: every read and delete is keyed
-by (id, key), so a key never sees, continues or deletes another key's response (it gets
-the same 404 as for an id that never existed). In open mode (no keys) the key is NULL.
+One table, ``responses``, where the usage ledger is: on Postgres with ``[cost] database``
+(:class:`PostgresResponseStore`), so that every replica behind a load balancer reads,
+continues and deletes what another stored; else in the ledger's SQLite file (``[cost]
+ledger_path`` / ``$INFERMUX_LEDGER_PATH``, else ``var/ledger.sqlite3``;
+:class:`ResponseStore`), one file to back up, for one gateway. Both are a
+:class:`ResponseStorage`: short blocking calls, which the gateway makes through
+:class:`StoredResponses` on worker threads of its own, never on the event loop (a locked
+SQLite file or a slow Postgres holds that request only).
 
-Retention is bounded: rows older than ``max_age_s`` and, per key, all but the newest
-``max_per_key`` are deleted when a response is stored. The file is opened on first use, so
-a gateway that never stores a response creates nothing; it is created ``0600`` in a ``0700``
-folder, and a folder or file that another user controls is refused
-(:mod:`core_engine.private_files`). Calls are short SQLite statements
-made on the caller's thread (a busy database waits at most ``_BUSY_TIMEOUT_S``).
+Each row is the response body as answered, the conversation it ends (the chat messages a
+follow-up continues from, without ``instructions``, which OpenAI does not carry over), its
+size, and the API key id that created it: every read and delete is keyed by (id, key), so a
+key never sees, continues or deletes another key's response (it gets the same 404 as for an
+id that never existed). In open mode (no keys) the key is NULL.
+
+Retention (``[responses]``) is bounded per key, applied in the transaction that stores a
+response: rows older than ``max_age_s`` go; then the key's oldest go until it has at most
+``max_per_key`` rows and ``max_bytes_per_key`` bytes (body plus conversation), the new one
+included. Eviction, not refusal, so a long-lived client keeps working like a ring buffer of
+its recent responses; only one response larger than the whole byte quota is refused
+(:class:`StoredResponseTooLargeError`, 400 naming ``store``), since storing it would leave
+the key over its quota with nothing else to evict.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import sqlite3
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
-from backends.errors import InfermuxError
+from backends.errors import InfermuxError, InvalidRequestError, StateStoreUnavailableError
 from core_engine.private_files import private_dir, private_file
 
-__all__ = ["ResponseStore", "StoredResponse"]
+if TYPE_CHECKING:
+    from psycopg_pool import ConnectionPool
+
+    from gateway.config.types import InfermuxConfig, ResponsesConfig
+
+__all__ = [
+    "PostgresResponseStore",
+    "ResponseStorage",
+    "ResponseStore",
+    "StoredResponse",
+    "StoredResponseTooLargeError",
+    "StoredResponses",
+    "open_response_store",
+]
 
 _BUSY_TIMEOUT_S = 2.0
 #: OpenAI keeps stored responses for 30 days.
 DEFAULT_MAX_AGE_S = 30 * 24 * 3600.0
 DEFAULT_MAX_PER_KEY = 10_000
+DEFAULT_MAX_BYTES_PER_KEY = 256 * 1024 * 1024
+#: Worker threads of :class:`StoredResponses`: store calls in flight at once per gateway.
+_THREADS = 4
 
-_SCHEMA = """
+_SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id           TEXT PRIMARY KEY,
     api_key_id   TEXT,
     created_at   REAL NOT NULL,
     body         BLOB NOT NULL,
-    conversation BLOB NOT NULL
+    conversation BLOB NOT NULL,
+    size         INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS responses_key ON responses (api_key_id, created_at);
 """
+_PG_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id           TEXT PRIMARY KEY,
+    api_key_id   TEXT,
+    created_at   DOUBLE PRECISION NOT NULL,
+    body         BYTEA NOT NULL,
+    conversation BYTEA NOT NULL,
+    size         BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_key ON responses (api_key_id, created_at);
+CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
+"""
+#: Advisory lock keys (any constants the deployment does not use for its own locks): schema
+#: creation by replicas starting at once, and one key's store-then-evict transactions, so
+#: two replicas storing for one key cannot both see it under its quota.
+_PG_SCHEMA_LOCK = 0x696E6672  # "infr"
+_PG_KEY_LOCK = 0x696E666B  # "infk"
+_PG_CONNECT_TIMEOUT_S = 2.0
+#: Expired rows one store deletes at most (the next store deletes more).
+_PG_EXPIRE_BATCH = 100
+
+
+def _evict_sql(same_key: str, mark: str) -> str:
+    """Delete a key's rows beyond its newest ``max_per_key`` or ``max_bytes_per_key``:
+    params (key, max_per_key, max_bytes_per_key)."""
+    return (
+        "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, "
+        "ROW_NUMBER() OVER newest AS n, SUM(size) OVER newest AS total "
+        f"FROM responses WHERE api_key_id {same_key} {mark} "
+        "WINDOW newest AS (ORDER BY created_at DESC, id DESC ROWS UNBOUNDED PRECEDING)) "
+        f"AS ranked WHERE n > {mark} OR total > {mark})"
+    )
 
 
 class StoredResponse(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,8 +116,64 @@ class StoredResponse(msgspec.Struct, frozen=True, kw_only=True):
     conversation: list[dict[str, Any]]
 
 
-class ResponseStore:
-    """The ``responses`` table of one SQLite file; thread-safe."""
+class StoredResponseTooLargeError(InvalidRequestError):
+    """One response bigger than its key's whole ``max_bytes_per_key``."""
+
+    code = "stored_response_too_large"
+
+
+class ResponseStorage(Protocol):
+    """Where stored responses live; blocking calls (the gateway makes them on worker
+    threads, through :class:`StoredResponses`)."""
+
+    def put(self, response_id: str, api_key_id: str | None, body: bytes, conversation: list[dict[str, Any]]) -> None:
+        """Store a response, then apply the retention bounds."""
+        ...
+
+    def get(self, response_id: str, api_key_id: str | None) -> StoredResponse | None:
+        """The response ``response_id`` created by ``api_key_id``, or None."""
+        ...
+
+    def delete(self, response_id: str, api_key_id: str | None) -> bool:
+        """Delete it; False when this key has no such response."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _Limits:
+    """The retention bounds both stores apply, and the one-response size check."""
+
+    def __init__(self, max_age_s: float, max_per_key: int, max_bytes_per_key: int) -> None:
+        self.max_age_s = max_age_s
+        self.max_per_key = max_per_key
+        self.max_bytes_per_key = max_bytes_per_key
+
+    def _row(self, body: bytes, conversation: list[dict[str, Any]]) -> tuple[bytes, int]:
+        """The encoded conversation and the row's size; refuses one over the whole quota."""
+        encoded = msgspec.json.encode(conversation)
+        size = len(body) + len(encoded)
+        if size > self.max_bytes_per_key:
+            raise StoredResponseTooLargeError(
+                f"this response and its conversation are {size} bytes, more than the "
+                f"{self.max_bytes_per_key} bytes a key may store ([responses] "
+                "max_bytes_per_key); send store=false, or continue with a shorter conversation",
+                param="store",
+            )
+        return encoded, size
+
+    def _expired(self, created_at: float) -> bool:
+        return created_at < time.time() - self.max_age_s
+
+
+class ResponseStore(_Limits):
+    """The ``responses`` table of one SQLite file; thread-safe.
+
+    The file is opened on first use, so a gateway that never stores a response creates
+    nothing; it is created ``0600`` in a ``0700`` folder, and a folder or file that another
+    user controls is refused (:mod:`core_engine.private_files`). A busy database waits at
+    most ``_BUSY_TIMEOUT_S``.
+    """
 
     def __init__(
         self,
@@ -65,10 +181,10 @@ class ResponseStore:
         *,
         max_age_s: float = DEFAULT_MAX_AGE_S,
         max_per_key: int = DEFAULT_MAX_PER_KEY,
+        max_bytes_per_key: int = DEFAULT_MAX_BYTES_PER_KEY,
     ) -> None:
+        super().__init__(max_age_s, max_per_key, max_bytes_per_key)
         self.path = Path(path)
-        self.max_age_s = max_age_s
-        self.max_per_key = max_per_key
         self._lock = threading.Lock()
         self._connection: sqlite3.Connection | None = None
 
@@ -82,7 +198,8 @@ class ResponseStore:
                     self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
                 )
                 connection.execute("PRAGMA journal_mode=WAL")
-                connection.executescript(_SCHEMA)
+                connection.executescript(_SQLITE_SCHEMA)
+                _add_size_column(connection)
             except (sqlite3.Error, OSError) as exc:
                 raise InfermuxError(f"the response store {str(self.path)!r} cannot be opened: {exc}") from exc
             self._connection = connection
@@ -95,21 +212,21 @@ class ResponseStore:
         body: bytes,
         conversation: list[dict[str, Any]],
     ) -> None:
-        """Store a response, then apply the retention bounds."""
+        """Store a response, then apply the retention bounds (module docstring)."""
+        encoded, size = self._row(body, conversation)
         now = time.time()
         with self._lock:
             connection = self._connect()
             try:
                 connection.execute("BEGIN IMMEDIATE")
                 connection.execute(
-                    "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
-                    (response_id, api_key_id, now, body, msgspec.json.encode(conversation)),
+                    "INSERT INTO responses (id, api_key_id, created_at, body, conversation, size) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (response_id, api_key_id, now, body, encoded, size),
                 )
                 connection.execute("DELETE FROM responses WHERE created_at < ?", (now - self.max_age_s,))
                 connection.execute(
-                    "DELETE FROM responses WHERE api_key_id IS ? AND id NOT IN (SELECT id FROM "
-                    "responses WHERE api_key_id IS ? ORDER BY created_at DESC LIMIT ?)",
-                    (api_key_id, api_key_id, self.max_per_key),
+                    _evict_sql("IS", "?"), (api_key_id, self.max_per_key, self.max_bytes_per_key)
                 )
                 connection.execute("COMMIT")
             except sqlite3.Error as exc:
@@ -128,7 +245,7 @@ class ResponseStore:
                 )
                 .fetchone()
             )
-        if row is None or row[2] < time.time() - self.max_age_s:
+        if row is None or self._expired(row[2]):
             return None
         return StoredResponse(body=bytes(row[0]), conversation=msgspec.json.decode(row[1]))
 
@@ -145,3 +262,197 @@ class ResponseStore:
             if self._connection is not None:
                 self._connection.close()
                 self._connection = None
+
+
+def _add_size_column(connection: sqlite3.Connection) -> None:
+    """A file stored by an older infermux has no ``size``: add it, filled in."""
+    columns = {row[1] for row in connection.execute("PRAGMA table_info(responses)")}
+    if "size" not in columns:
+        with connection:
+            connection.execute("ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0")
+            connection.execute("UPDATE responses SET size = length(body) + length(conversation)")
+
+
+class PostgresResponseStore(_Limits):
+    """The ``responses`` table on Postgres (the ledger's ``[cost] database``), shared by
+    every replica; thread-safe.
+
+    Connections come from a ``psycopg_pool.ConnectionPool`` opened on first use, so a
+    gateway that never stores a response never connects, and one starts while Postgres is
+    down. A call that cannot get a connection within ``_PG_CONNECT_TIMEOUT_S`` is a 503
+    ``state_store_unavailable``; the next call tries again. Unlike usage records nothing is
+    spooled: a response stored on one replica's disk would be invisible to the others.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        max_per_key: int = DEFAULT_MAX_PER_KEY,
+        max_bytes_per_key: int = DEFAULT_MAX_BYTES_PER_KEY,
+        max_connections: int = _THREADS,
+    ) -> None:
+        from psycopg_pool import ConnectionPool
+
+        from plugins.builtin.cost.pg_ledger import redacted_url
+
+        super().__init__(max_age_s, max_per_key, max_bytes_per_key)
+        self.location = redacted_url(url)
+        self._pool: ConnectionPool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=max_connections,
+            open=False,
+            timeout=_PG_CONNECT_TIMEOUT_S,
+            kwargs={"autocommit": True, "connect_timeout": int(_PG_CONNECT_TIMEOUT_S)},
+        )
+        self._lock = threading.Lock()
+        self._opened = False
+        self._has_schema = False
+
+    def _run(self, work: Any) -> Any:
+        """``work(connection)`` on a pooled connection, the schema made first; errors as
+        InfermuxErrors (unreachable: 503)."""
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        try:
+            with self._lock:
+                if not self._opened:
+                    self._pool.open(wait=False)
+                    self._opened = True
+            with self._pool.connection() as connection:
+                if not self._has_schema:
+                    with connection.transaction():
+                        connection.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
+                        connection.execute(_PG_SCHEMA)
+                    self._has_schema = True
+                return work(connection)
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            raise StateStoreUnavailableError(
+                f"the response store {self.location} cannot be reached: {exc}", retry_after=2.0
+            ) from exc
+        except psycopg.Error as exc:
+            raise InfermuxError(f"the response store {self.location} failed: {exc}") from exc
+
+    def put(
+        self,
+        response_id: str,
+        api_key_id: str | None,
+        body: bytes,
+        conversation: list[dict[str, Any]],
+    ) -> None:
+        """Store a response, then apply the retention bounds (module docstring), in one
+        transaction under the key's advisory lock."""
+        encoded, size = self._row(body, conversation)
+        now = time.time()
+
+        def work(connection: Any) -> None:
+            with connection.transaction():
+                connection.execute(
+                    "SELECT pg_advisory_xact_lock(%s, hashtext(COALESCE(%s, '')))", (_PG_KEY_LOCK, api_key_id)
+                )
+                connection.execute(
+                    "INSERT INTO responses (id, api_key_id, created_at, body, conversation, size) "
+                    "VALUES (%s, %s, %s, %s, %s, %s)",
+                    (response_id, api_key_id, now, body, encoded, size),
+                )
+                # Rows another replica is deleting are skipped, not waited for.
+                connection.execute(
+                    "DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE created_at < %s "
+                    "ORDER BY created_at LIMIT %s FOR UPDATE SKIP LOCKED)",
+                    (now - self.max_age_s, _PG_EXPIRE_BATCH),
+                )
+                connection.execute(
+                    _evict_sql("IS NOT DISTINCT FROM", "%s"),
+                    (api_key_id, self.max_per_key, self.max_bytes_per_key),
+                )
+
+        self._run(work)
+
+    def get(self, response_id: str, api_key_id: str | None) -> StoredResponse | None:
+        """The response ``response_id`` created by ``api_key_id``, or None."""
+        row = self._run(
+            lambda connection: connection.execute(
+                "SELECT body, conversation, created_at FROM responses "
+                "WHERE id = %s AND api_key_id IS NOT DISTINCT FROM %s",
+                (response_id, api_key_id),
+            ).fetchone()
+        )
+        if row is None or self._expired(row[2]):
+            return None
+        return StoredResponse(body=bytes(row[0]), conversation=msgspec.json.decode(row[1]))
+
+    def delete(self, response_id: str, api_key_id: str | None) -> bool:
+        """Delete it; False when this key has no such response."""
+        rowcount: int = self._run(
+            lambda connection: connection.execute(
+                "DELETE FROM responses WHERE id = %s AND api_key_id IS NOT DISTINCT FROM %s",
+                (response_id, api_key_id),
+            ).rowcount
+        )
+        return rowcount > 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._opened:
+                self._pool.close()
+                self._opened = False
+
+
+T = TypeVar("T")
+
+
+class StoredResponses:
+    """A :class:`ResponseStorage` for the async handlers: each call runs on one of this
+    gateway's own ``_THREADS`` worker threads, so the event loop never waits on SQLite or
+    Postgres, and a store that is slow (a locked file, a far database) holds these threads,
+    not the loop's default executor that other work shares."""
+
+    def __init__(self, storage: ResponseStorage) -> None:
+        self.storage = storage
+        self._executor = ThreadPoolExecutor(_THREADS, thread_name_prefix="response-store")
+
+    async def _call(self, method: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(method, *args))
+
+    async def put(
+        self, response_id: str, api_key_id: str | None, body: bytes, conversation: list[dict[str, Any]]
+    ) -> None:
+        await self._call(self.storage.put, response_id, api_key_id, body, conversation)
+
+    async def get(self, response_id: str, api_key_id: str | None) -> StoredResponse | None:
+        stored: StoredResponse | None = await self._call(self.storage.get, response_id, api_key_id)
+        return stored
+
+    async def delete(self, response_id: str, api_key_id: str | None) -> bool:
+        deleted: bool = await self._call(self.storage.delete, response_id, api_key_id)
+        return deleted
+
+    async def aclose(self) -> None:
+        """Wait for the calls in flight (on a thread: they may be waiting on a lock), close."""
+        await asyncio.to_thread(self._executor.shutdown)
+        self.storage.close()
+
+
+def open_response_store(config: InfermuxConfig, ledger_path: Path) -> StoredResponses:
+    """Postgres when the ledger is there (``[cost] database``), else the SQLite file at
+    ``ledger_path`` (the ledger's); neither is touched before the first call."""
+    limits: ResponsesConfig = config.responses
+    storage: ResponseStorage
+    if config.cost.database is not None:
+        storage = PostgresResponseStore(
+            config.cost.database,
+            max_age_s=limits.max_age_s,
+            max_per_key=limits.max_per_key,
+            max_bytes_per_key=limits.max_bytes_per_key,
+        )
+    else:
+        storage = ResponseStore(
+            ledger_path,
+            max_age_s=limits.max_age_s,
+            max_per_key=limits.max_per_key,
+            max_bytes_per_key=limits.max_bytes_per_key,
+        )
+    return StoredResponses(storage)

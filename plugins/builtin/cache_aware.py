@@ -17,6 +17,10 @@ For an alias served by several replicas of one model. Per request:
    - *approximate*, for the others: the :class:`~plugins.builtin.prefix_map.PrefixMap` of
      prompts this strategy routed to each replica (TTL, size cap), counted in ~4-byte tokens.
 
+   Both are keyed by the request's ``cache_salt`` (its tenant's partition, issue 44), as
+   the engines key their caches: a prefix one tenant warmed on a replica neither draws
+   another tenant's request there nor counts as its hit.
+
 3. Ties (no replica holds any of it: a new prefix) go to the fewest open streams, rotating.
    The other candidates follow, fewest open streams first, as fallbacks.
 
@@ -118,7 +122,7 @@ class CacheAwareStrategy:
                     matched[name] = 0
                     continue
                 if size not in hashes_by_size:
-                    hashes_by_size[size] = prompt_block_hashes(token_ids, size)
+                    hashes_by_size[size] = prompt_block_hashes(token_ids, size, request.cache_salt)
                 matched[name] = index.num_leading_blocks(hashes_by_size[size]) * size
             else:
                 precise[name] = False

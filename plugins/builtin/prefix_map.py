@@ -4,7 +4,8 @@ routed to each replica lately.
 
 A prompt is cut into fixed-size byte blocks of its rendering (chat messages as their JSON,
 one after the other; a completion's text or token ids) and each block is named by a chained
-hash, so one hash names the whole prefix up to it. Each replica keeps the hashes of the
+hash, so one hash names the whole prefix up to it. The chain starts from the request's
+``cache_salt``, so two tenants' prompts never share a hash (the engines partition alike). Each replica keeps the hashes of the
 prompts routed to it, with an expiry (``ttl_s``: an engine's LRU forgets too) and at most
 ``max_entries`` of them (the least recently routed go first). It is a guess at what the
 engine holds, no more: the engine may have evicted a prefix sooner.
@@ -29,7 +30,8 @@ _ROOT = b"infermux-approx-root"
 
 
 def prompt_text_hashes(request: GenerationRequest, block_bytes: int = APPROX_BLOCK_BYTES) -> list[bytes]:
-    """Chained hashes of the full ``block_bytes`` blocks of the request's prompt rendering."""
+    """Chained hashes of the full ``block_bytes`` blocks of the request's prompt rendering,
+    from a root that is the request's ``cache_salt``."""
     if request.messages is not None:
         data = b"".join(msgspec.json.encode(m) for m in request.messages)
     elif isinstance(request.prompt, tuple):
@@ -37,7 +39,7 @@ def prompt_text_hashes(request: GenerationRequest, block_bytes: int = APPROX_BLO
     else:
         data = (request.prompt or "").encode()
     hashes: list[bytes] = []
-    parent = _ROOT
+    parent = _ROOT if request.cache_salt is None else _ROOT + b"\0" + request.cache_salt.encode()
     for start in range(0, len(data) - block_bytes + 1, block_bytes):
         parent = hashlib.blake2b(parent + data[start : start + block_bytes], digest_size=16).digest()
         hashes.append(parent)

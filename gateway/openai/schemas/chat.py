@@ -46,6 +46,8 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 PositiveTokens = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 ChoiceCount = Annotated[int, msgspec.Meta(ge=1)]
 TopLogprobCount = Annotated[int, msgspec.Meta(ge=0)]
+#: vLLM's ``cache_salt``: a client's own narrowing of its tenant's prefix-cache partition.
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
 class ContentPart(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -160,6 +162,9 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False)
     #: vLLM's extension: extra variables for the model's chat template (a JSON object, e.g.
     #: ``{"enable_thinking": false}``); checked in gateway/openai/request_conversion.py.
     chat_template_kwargs: dict[str, Any] | None = None
+    #: vLLM's extension: only requests with the same salt (within the key's tenant, which
+    #: always partitions) share cached prompt prefixes; see docs/kv-cache.md "Tenants".
+    cache_salt: CacheSalt | None = None
 
 
 class ChatTopLogprob(msgspec.Struct, frozen=True, kw_only=True, gc=False):

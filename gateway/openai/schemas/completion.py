@@ -7,6 +7,7 @@ from typing import Annotated, Any
 import msgspec
 
 from gateway.openai.schemas.chat import (
+    CacheSalt,
     ChoiceCount,
     Penalty,
     Probability,
@@ -63,6 +64,8 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    #: vLLM's extension: as chat's ``cache_salt``.
+    cache_salt: CacheSalt | None = None
     #: Not served; a non-null value is a 400 rather than silently dropped.
     suffix: str | None = None
     best_of: int | None = None
