@@ -157,6 +157,10 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     kv_disk_bytes: int | None = None
     #: Most of each tier one tenant's cached prefixes may hold (0..1; absent: no quota).
     kv_tenant_quota: float | None = None
+    #: Of the pinned prefixes (Anthropic ``cache_control``; a quarter of the pool at most),
+    #: the share one tenant's requests may hold (0..1; a pin beyond it is not made: the
+    #: prefix stays cached as any other, evictable).
+    kv_pin_tenant_share: float = 0.25
     #: Run the engine in its own supervised worker process (default); false: in the
     #: gateway's process (tests, notebooks; plugins registered by code then answer its hooks).
     engine_process: bool = True
@@ -256,6 +260,8 @@ class CoreEngineBackend:
             raise BackendConfigError(f"{prefix}kv_disk_bytes: set kv_disk_dir too (the disk tier's directory)")
         if o.kv_tenant_quota is not None and not 0.0 < o.kv_tenant_quota <= 1.0:
             raise BackendConfigError(f"{prefix}kv_tenant_quota: must be in (0, 1], got {o.kv_tenant_quota}")
+        if not 0.0 < o.kv_pin_tenant_share <= 1.0:
+            raise BackendConfigError(f"{prefix}kv_pin_tenant_share: must be in (0, 1], got {o.kv_pin_tenant_share}")
         if (o.kv_host_bytes or o.kv_disk_dir) and not o.enable_prefix_caching:
             raise BackendConfigError(f"{prefix}kv_host_bytes/kv_disk_dir: the KV tiers need enable_prefix_caching")
 
@@ -385,6 +391,7 @@ class CoreEngineBackend:
                 kv_disk_dir=None if o.kv_disk_dir is None else str(Path(o.kv_disk_dir).expanduser()),
                 kv_disk_bytes=o.kv_disk_bytes if o.kv_disk_bytes is not None else 8 * 2**30,
                 kv_tenant_quota=o.kv_tenant_quota,
+                kv_pin_tenant_share=o.kv_pin_tenant_share,
                 tensor_parallel_size=o.tensor_parallel_size,
                 tensor_parallel_timeout_s=o.tensor_parallel_timeout_s,
             )

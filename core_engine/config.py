@@ -128,6 +128,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Most of each tier's blocks one tenant's cached prefixes may hold (a fraction; None:
     #: no quota). A tenant at its quota recycles its own least recently used blocks.
     kv_tenant_quota: float | None = None
+    #: Of the prefix pins (``SamplingParams.pin_prefix``; a quarter of the pool at most), the
+    #: share one tenant's requests may hold (None: no per-tenant cap).
+    kv_pin_tenant_share: float | None = 0.25
     #: Ranks the weights are split over (:mod:`core_engine.distributed`): this engine is
     #: rank 0 and starts the others as processes; gloo on CPU, NCCL on CUDA (rank r on cuda:r).
     tensor_parallel_size: int = 1
@@ -154,6 +157,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("EngineConfig.kv_host_memory_bytes and kv_disk_bytes must be >= 0")
         if self.kv_tenant_quota is not None and not 0.0 < self.kv_tenant_quota <= 1.0:
             raise ValueError(f"EngineConfig.kv_tenant_quota must be in (0, 1], got {self.kv_tenant_quota}")
+        if self.kv_pin_tenant_share is not None and not 0.0 < self.kv_pin_tenant_share <= 1.0:
+            raise ValueError(f"EngineConfig.kv_pin_tenant_share must be in (0, 1], got {self.kv_pin_tenant_share}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
         self._check_tensor_parallel()

@@ -86,6 +86,7 @@ class KVCacheManager:
         *,
         enable_caching: bool = True,
         tenant_quota: int | None = None,
+        pin_tenant_share: float | None = 0.25,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -108,6 +109,13 @@ class KVCacheManager:
         #: hold at most a quarter of the pool, so they can never starve the requests.
         self._pins: dict[int, tuple[KVCacheBlock, float]] = {}
         self.max_pinned_blocks = max(1, num_blocks // 4)
+        #: Of those, the most one tenant's requests may pin (``pin_tenant_share`` of them;
+        #: None: no per-tenant cap), so that one tenant cannot take every pin; requests with
+        #: no tenant (open mode, the engine used directly) are held by the pool-wide cap only.
+        self.max_pinned_blocks_per_tenant = (
+            None if pin_tenant_share is None else max(1, int(self.max_pinned_blocks * pin_tenant_share))
+        )
+        self._pin_tenants: dict[int, str] = {}  # block id -> the tenant that pinned it
 
     @property
     def num_blocks(self) -> int:
@@ -248,6 +256,9 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, self._num_cached_blocks.get(request.req_id, 0))
         self.update_block_hashes(request, num_full * self.block_size)
         pool = self.block_pool
+        tenant = request.tenant
+        tenant_cap = self.max_pinned_blocks_per_tenant if tenant is not None else None
+        held = sum(1 for owner in self._pin_tenants.values() if owner == tenant) if tenant_cap is not None else 0
         num_pinned = 0
         for block_hash in request.block_hashes[:num_full]:
             block = pool.get_cached_block(block_hash)  # the registered copy of this prefix
@@ -255,9 +266,12 @@ class KVCacheManager:
                 break
             pinned = self._pins.get(block.block_id)
             if pinned is None:
-                if len(self._pins) >= self.max_pinned_blocks:
+                if len(self._pins) >= self.max_pinned_blocks or (tenant_cap is not None and held >= tenant_cap):
                     break
                 pool.touch([block])
+                if tenant is not None:
+                    self._pin_tenants[block.block_id] = tenant
+                    held += 1
             expiry = max(now + ttl_s, pinned[1] if pinned is not None else 0.0)
             self._pins[block.block_id] = (block, expiry)
             num_pinned += 1
@@ -268,6 +282,7 @@ class KVCacheManager:
         expired = [block for block, expiry in self._pins.values() if expiry <= now]
         for block in expired:
             del self._pins[block.block_id]
+            self._pin_tenants.pop(block.block_id, None)
         # The prefix's last blocks first, as requests free theirs.
         self.block_pool.free_blocks(reversed(expired))
         return len(expired)

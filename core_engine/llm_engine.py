@@ -95,6 +95,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
             tenant_quota=None if config.kv_tenant_quota is None else max(1, int(num_blocks * config.kv_tenant_quota)),
+            pin_tenant_share=config.kv_pin_tenant_share,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,

@@ -59,3 +59,24 @@ def test_pins_hold_at_most_a_quarter_of_the_pool() -> None:
     assert kv.num_pinned_blocks == 2 and kv.num_free_blocks == 6
     assert kv.expire_pins(now=59.0) == 0
     assert kv.expire_pins(now=60.0) == 2 and kv.num_free_blocks == 8
+
+
+def test_one_tenant_pins_at_most_its_share_of_the_pins() -> None:
+    # 64 blocks: pins hold 16 at most, one tenant a quarter of them (4 blocks of 4 tokens).
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    assert kv.max_pinned_blocks == 16 and kv.max_pinned_blocks_per_tenant == 4
+
+    def pin(req_id: str, tenant: str | None, first: int) -> int:
+        request = Request(req_id, list(range(first, first + 40)), SamplingParams(), max_tokens=1, tenant=tenant)
+        kv.allocate_slots(request, 40)
+        pinned = kv.pin_prefix(request, 40, 60.0, now=0.0)
+        kv.free(request)
+        return pinned
+
+    assert pin("a1", "acme", 0) == 16  # 10 blocks asked, the tenant's 4 pinned
+    assert pin("a2", "acme", 1000) == 0  # at its share: nothing more
+    assert pin("b1", "globex", 2000) == 16  # another tenant has its own share
+    assert pin("open", None, 3000) == 32  # no tenant (open mode): the pool-wide cap only (8 left)
+    assert kv.num_pinned_blocks == 16
+    assert kv.expire_pins(now=60.0) == 16
+    assert pin("a3", "acme", 4000) == 16  # expired pins give the share back
