@@ -23,6 +23,7 @@ so callers that already turn an ``OSError`` into "cannot use <path>" report it u
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import secrets
@@ -37,6 +38,8 @@ __all__ = [
     "installation_secret",
     "private_dir",
     "private_file",
+    "record_sha256",
+    "unverified_reason",
     "write_private_file",
 ]
 
@@ -145,6 +148,40 @@ def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _sha256_record(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def record_sha256(path: str | os.PathLike[str]) -> None:
+    """Write ``<path>.sha256`` (``0600``): the SHA-256 of the library just built at ``path``,
+    which :func:`unverified_reason` checks before each load."""
+    file = Path(path)
+    write_private_file(_sha256_record(file), hashlib.sha256(file.read_bytes()).hexdigest().encode() + b"\n")
+
+
+def _read_owned(path: Path) -> bytes:
+    with open(_open_nofollow(path, os.O_RDONLY), "rb") as f:
+        check_owned_file(path, os.fstat(f.fileno()), confidential=False)
+        return f.read()
+
+
+def unverified_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why the library at ``path`` must not be loaded as it is: missing, no record, or a
+    SHA-256 other than the one :func:`record_sha256` wrote (rebuild it); None when it is the
+    library this user built, unchanged. Raises :class:`UnsafePathError` (or ``OSError``
+    ``ELOOP`` for a link) when it or its record is someone else's: never load nor replace it."""
+    file = Path(path)
+    try:
+        library = _read_owned(file)
+        recorded = _read_owned(_sha256_record(file)).decode(errors="replace").strip()
+    except FileNotFoundError as exc:
+        return f"{exc.filename} is missing"
+    digest = hashlib.sha256(library).hexdigest()
+    if digest != recorded:
+        return f"its SHA-256 {digest} is not the one recorded at its build ({recorded[:64]})"
+    return None
 
 
 def installation_secret(path: str | os.PathLike[str]) -> bytes:

@@ -26,11 +26,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from backends.threads import default_num_threads
+from core_engine.private_files import private_dir, record_sha256, unverified_reason
 
 __all__ = ["dense_bytes", "dequantize", "use_openblas"]
 
@@ -93,24 +95,28 @@ def use_openblas() -> str | None:
     command = [compiler, "-O2", "-shared", "-fPIC", "-x", "c", "-", "-x", "none", "-o", "{out}",
                f"-L{library.parent}", f"-l:{library.name}", f"-Wl,-rpath,{library.parent}"]
     key = hashlib.sha256("\0".join([_SHIM, str(library), *command]).encode()).hexdigest()[:16]
-    directory = _cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"infermux_mlx_openblas-{key}.so"
     try:
-        with open(directory / "infermux_mlx_openblas.lock", "w") as lock:
+        # The compiled kernels' cache and its checks (core_engine/kernels/cpu): a library is
+        # loaded only if this user built it and its recorded SHA-256 matches.
+        directory = private_dir(_cache_dir(), confidential=False)
+        target = directory / f"infermux_mlx_openblas-{key}.so"
+        lock_fd = os.open(directory / "infermux_mlx_openblas.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        with open(lock_fd, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not target.exists():
-                partial = target.with_suffix(f".{os.getpid()}.tmp")
-                result = subprocess.run(
-                    [part.replace("{out}", str(partial)) for part in command],
-                    input=_SHIM, capture_output=True, text=True, check=False,
-                )
-                if result.returncode != 0:
-                    partial.unlink(missing_ok=True)
-                    logger.warning("MLX on the CPU: linking OpenBLAS failed, the reference BLAS "
-                                   "stays (slow):\n%s", result.stderr[-2000:])
-                    return None
-                partial.replace(target)
+            if unverified_reason(target) is not None:
+                with tempfile.TemporaryDirectory(dir=directory, prefix=".infermux_mlx_openblas-") as scratch:
+                    partial = Path(scratch) / target.name
+                    result = subprocess.run(
+                        [part.replace("{out}", str(partial)) for part in command],
+                        input=_SHIM, capture_output=True, text=True, check=False,
+                    )
+                    if result.returncode != 0:
+                        logger.warning("MLX on the CPU: linking OpenBLAS failed, the reference BLAS "
+                                       "stays (slow):\n%s", result.stderr[-2000:])
+                        return None
+                    os.chmod(partial, 0o600)
+                    partial.replace(target)
+                record_sha256(target)
         ctypes.CDLL(str(target), mode=ctypes.RTLD_GLOBAL)
         # As many threads as the engine's share of the cores (backends/threads.py): OpenBLAS's
         # own default, every core, fights the other engines' threads.

@@ -422,6 +422,31 @@ def test_a_kernel_cache_folder_others_control_is_refused(plant: str, cache: Path
     assert f"REFUSED the kernel cache cannot be used: {folder} " in done.stdout
 
 
+_USE_OPENBLAS = "from backends.mlx.cpu_blas import use_openblas; print('BLAS', use_openblas())"
+
+
+def use_openblas_in(cache: Path) -> str:
+    """What ``use_openblas`` answers in a fresh process with ``cache`` as the kernel cache."""
+    env = {**os.environ, "INFERMUX_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", _USE_OPENBLAS], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().removeprefix("BLAS ")
+
+
+def test_the_mlx_openblas_forwarder_is_verified_like_a_kernel(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    assert use_openblas_in(cache) != "None"  # built, recorded, loaded
+    (library,) = (cache / "kernels").glob("infermux_mlx_openblas-*.so")
+    record = library.with_name(library.name + ".sha256")
+    assert mode(library) == mode(record) == 0o600
+    library.write_bytes(library.read_bytes() + b"changed")
+    assert use_openblas_in(cache) != "None"  # a changed library is rebuilt, not loaded
+    assert record.read_text().strip() == hashlib.sha256(library.read_bytes()).hexdigest()
+    os.chown(library, OTHER_UID, OTHER_UID)
+    assert use_openblas_in(cache) == "None"  # another user's library: refused, reference BLAS
+
+
 # -- shared-memory KV segments ----------------------------------------------------------------
 
 _DEAD_PID = 2**22 + 12345  # above pid_max on most machines: never alive

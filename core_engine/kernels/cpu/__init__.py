@@ -38,12 +38,7 @@ from types import ModuleType
 import torch
 
 from core_engine.cpu_features import cpu_flags
-from core_engine.private_files import (
-    UnsafePathError,
-    check_owned_file,
-    private_dir,
-    write_private_file,
-)
+from core_engine.private_files import UnsafePathError, private_dir, record_sha256, unverified_reason
 
 __all__ = ["KernelBuildError", "cpu_extension"]
 
@@ -81,10 +76,6 @@ def _compile_command(source: Path, module: str, output: Path, march: str = "nati
     ]
 
 
-def _recorded_hash(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
 def _build(source: Path, module: str, target: Path, march: str) -> None:
     """Compile into a private temporary folder, then move the library into place with its hash."""
     logger.info("compiling the %s CPU kernel (one-off on this machine, ~30 s)...", source.stem)
@@ -95,10 +86,8 @@ def _build(source: Path, module: str, target: Path, march: str) -> None:
         if result.returncode != 0:
             raise KernelBuildError(f"compiling {source.name} failed:\n{result.stderr[-4000:]}")
         os.chmod(partial, 0o600)
-        digest = hashlib.sha256(partial.read_bytes()).hexdigest()
-        _recorded_hash(target).unlink(missing_ok=True)  # no record of the old library meanwhile
         partial.replace(target)
-    write_private_file(_recorded_hash(target), digest.encode() + b"\n")
+    record_sha256(target)  # until it is written, the library has no record: rebuilt, never loaded
     logger.info("%s CPU kernel compiled in %.0f s: %s", source.stem, time.perf_counter() - started, target)
 
 
@@ -108,24 +97,11 @@ def _stale_reason(target: Path) -> str | None:
     Raises :class:`KernelBuildError` for a library or record that is a link, of another owner
     or writable by group/other: someone else's file, never loaded nor silently replaced."""
     try:
-        library = _read_own(target)
-        recorded = _read_own(_recorded_hash(target)).decode(errors="replace").strip()
-    except FileNotFoundError as exc:
-        return f"{exc.filename} is missing"
+        return unverified_reason(target)
     except UnsafePathError as exc:
         raise KernelBuildError(f"{exc} (remove it, and the kernel is rebuilt)") from exc
     except OSError as exc:  # ELOOP: a symbolic link
         raise KernelBuildError(f"cannot use {exc.filename}: {exc.strerror} (remove it)") from exc
-    digest = hashlib.sha256(library).hexdigest()
-    if digest != recorded:
-        return f"its SHA-256 {digest} is not the one recorded at its build ({recorded[:64]})"
-    return None
-
-
-def _read_own(path: Path) -> bytes:
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
-        check_owned_file(path, os.fstat(f.fileno()), confidential=False)
-        return f.read()
 
 
 def _load(module: str, path: Path) -> ModuleType:
