@@ -323,3 +323,43 @@ def test_the_tokenizers_endpoints_and_embeddings_wait_for_a_global_slot(
         wait_until(lambda: gw.state.admission.num_in_flight == 0)
         if path in TOKEN_POSTS:
             assert httpx.post(f"{gw}{path}", json=body, timeout=30).status_code == 200
+
+
+# -- tokenizing off the event loop -------------------------------------------------------------
+
+
+def test_a_tokenize_in_progress_does_not_hold_the_event_loop(live_gateway: Any) -> None:
+    """The real core engine in the gateway's process: its tokenizer is held inside ``encode``
+    (an event), and the gateway still answers meanwhile. Tokenizing on the event loop would
+    leave ``/health`` unanswered until the tokenizer is let go, and this test would fail."""
+    from backends.base import BackendConfig
+
+    config = gateway_config(
+        BackendConfig(name="core", kind="core_engine", worker_process=False,
+                      options={"num_threads": 1, "kv_cache_memory_mb": 16}),
+        models={"core": ["core"]},
+    )
+    with live_gateway(config) as gw:
+        tokenizer = gw.backend("core")._llm.engine.tokenizer
+        entered, go = threading.Event(), threading.Event()
+        encode = tokenizer.encode
+
+        def held_encode(text: str, **options: Any) -> list[int]:
+            if "HOLD" in text:
+                entered.set()
+                assert go.wait(60)
+            return encode(text, **options)
+
+        tokenizer.encode = held_encode
+        answers: list[httpx.Response] = []
+        asking = threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{gw}/tokenize", json={"model": "core", "prompt": "HOLD " + "word " * 1000}, timeout=90)
+        ))
+        asking.start()
+        try:
+            assert entered.wait(60)
+            assert httpx.get(f"{gw}/health", timeout=10).status_code == 200  # while the tokenizer is held
+        finally:
+            go.set()
+            asking.join(90)
+        assert answers[0].status_code == 200 and len(answers[0].json()["tokens"]) > 1000
