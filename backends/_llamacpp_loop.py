@@ -5,8 +5,9 @@ continuous-batching loop, as ``llama-server -np N`` does. The context has ``para
 (sequence ids), each with its own KV stream of ``n_ctx`` cells. Each step:
 
 1. **admit**: queued jobs take free slots, FIFO; each prompt goes to the free slot whose
-   cached tokens share the longest prefix with it (:mod:`backends._llamacpp_slot`), the
-   slot's KV past that prefix is removed, and the reused length is ``cached_tokens``;
+   cached tokens share the longest prefix with it (:mod:`backends._llamacpp_slot`; only
+   slots filled under the request's ``cache_salt`` count), the slot's KV past that prefix
+   is removed, and the reused length is ``cached_tokens``;
 2. **schedule**: one ``llama_batch`` gets one token for every sequence that is generating
    (with speculation, followed by the tokens proposed for it), then prompt chunks of the
    sequences still reading their prompt (chunked prefill, oldest first), at most ``n_batch``
@@ -304,7 +305,9 @@ class LlamaRunner:
         # Constrained or budgeted (the next token may be forced): no drafts.
         if self._speculation is not None and job.matcher is None and job.thinking is None:
             proposer = NgramProposer(tokens, capacity=self.n_ctx, ngram_size=self._ngram_size)
-        slot, num_shared = self._slots.acquire(tokens)
+        # Only a slot filled under this request's salt shares a prefix (issue 44): another
+        # tenant's prompt must neither be reported as cached nor make this one faster.
+        slot, num_shared = self._slots.acquire(tokens, request.cache_salt)
         # The last prompt token is always evaluated again: its logits are sampled from. Echo
         # with logprobs needs a logits row at every prompt position, so it reuses nothing.
         num_cached = 0 if wants_prompt_logprobs(request) else min(num_shared, len(tokens) - 1)

@@ -16,6 +16,8 @@ The chat template comes from the GGUF metadata (``tokenizer.chat_template``), re
 the sandbox of :mod:`core_engine.chat.template`. Each slot keeps the tokens of its last
 request in the KV cache; a new prompt goes to the free slot sharing the longest prefix with
 it, skips that prefix, and the number of skipped tokens is reported as ``cached_tokens``.
+Only a slot filled under the request's ``cache_salt`` (its tenant) counts: a prompt of
+another salt gets a cold prefill, so no tenant learns how another's prompts began.
 
 With ``options.speculation`` the runner proposes tokens by n-gram lookup in each sequence's
 own prompt and output and verifies them in the same ``llama_decode`` (greedy output is the

@@ -3,6 +3,10 @@
 mlx-lm's KV caches can be trimmed from the end, so one cache is kept with the exact tokens it
 holds; the next prompt reuses the longest common prefix (the cache is trimmed to it) and only
 the rest is prefilled. A conversation's follow-up turn thus prefills only the new messages.
+
+The cache belongs to the ``cache_salt`` of the request that filled it (issue 44): a prompt of
+another salt reuses nothing (it gets a new, empty cache), so no tenant learns from
+``cached_tokens`` or its first token's latency how another tenant's prompt began.
 """
 
 from __future__ import annotations
@@ -16,19 +20,26 @@ __all__ = ["PromptCache"]
 
 
 class PromptCache:
-    """The last generation's KV cache and the tokens in it, position by position."""
+    """The last generation's KV cache, the tokens in it position by position, and the salt
+    of the request that put them there."""
 
     def __init__(self, *, enabled: bool) -> None:
         self._enabled = enabled
         self._cache: list[Any] | None = None
         self._tokens: list[int] = []
+        self._salt: str | None = None
 
-    def take(self, model: Any, prompt: Sequence[int]) -> tuple[list[Any], int]:
+    def take(self, model: Any, prompt: Sequence[int], salt: str | None) -> tuple[list[Any], int]:
         """A KV cache of ``model`` with the longest reusable prefix of ``prompt``, and its length.
 
-        The cache is handed over: until :meth:`keep` gives it back, nothing is reused.
+        Only a cache filled under ``salt`` (None matches only None) has a reusable prefix. The
+        cache is handed over: until :meth:`keep` gives it back, nothing is reused; it then
+        belongs to ``salt``.
         """
         cache, self._cache = self._cache, None
+        if salt != self._salt:
+            cache = None  # another tenant's KV: none of it is kept
+            self._salt = salt
         if cache is None or not self._enabled or not can_trim_prompt_cache(cache):
             self._tokens = []
             return make_prompt_cache(model), 0

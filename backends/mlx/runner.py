@@ -205,7 +205,8 @@ class MLXRunner:
         seed = params.seed if params.seed is not None else self._default_seed
         mx.random.seed(seed if seed is not None else random.getrandbits(32))
 
-        cache, num_cached = self._prompt_cache.take(self.model, tokens)
+        # Only the prompt cache of this request's salt is reused (issue 44).
+        cache, num_cached = self._prompt_cache.take(self.model, tokens, request.cache_salt)
         fed: list[int] = tokens[:num_cached]  # what the cache holds, then what is fed to it
         suffix = tokens[num_cached:]
         fed.extend(suffix)
