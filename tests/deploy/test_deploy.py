@@ -1,6 +1,6 @@
 """deploy/: the image's command line runs outside Docker and answers /ready; the compose file
-and the rendered Helm chart validate, and every config, metric and port in them is one the
-gateway really has."""
+validates, and every config, metric and port in it is one the gateway really has (the Helm
+chart: test_helm_chart.py)."""
 
 from __future__ import annotations
 
@@ -18,22 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import kubernetes_validate
-import msgspec
 import pytest
 import yaml
-from helm_template import TemplateFailure, render_chart
 
-from gateway.config.load import config_from_dict, load_config
+from gateway.config.load import load_config
 from gateway.config.types import ConfigError
-from gateway.http.auth import check_exposure, generate_key, hash_key
-from gateway.testing import gateway_config, mock_backend
+from gateway.http.auth import check_exposure
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-CHART = DEPLOY / "helm" / "infermux"
-#: The Kubernetes release whose schemas the chart is checked against.
-KUBERNETES = "1.30.0"
+#: The Grafana dashboard, one file for the compose stack and the Helm chart.
+DASHBOARD = DEPLOY / "helm" / "infermux" / "dashboards" / "infermux.json"
 
 
 # -- the image ------------------------------------------------------------------------------
@@ -173,14 +168,6 @@ def test_the_image_config_refuses_all_interfaces_without_keys() -> None:
 # -- metric names ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def exported_metrics(live_gateway: Any) -> set[str]:
-    """The metric families a real gateway's ``GET /metrics`` declares."""
-    with live_gateway(gateway_config(mock_backend("mock"))) as gw:
-        text = httpx.get(f"{gw}/metrics", timeout=30).text
-    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
-
-
 def _metric_names(expression: str) -> set[str]:
     names = set(re.findall(r"\binfermux_[a-z_]+", expression))
     return {re.sub(r"_(bucket|sum|count)$", "", name) for name in names}
@@ -240,9 +227,7 @@ def test_compose_gateway_config_loads_and_may_listen_on_all_interfaces() -> None
 
 
 def test_dashboard_panels_use_metrics_the_gateway_exports(exported_metrics: set[str]) -> None:
-    dashboard = json.loads(
-        (DEPLOY / "compose" / "grafana" / "dashboards" / "infermux.json").read_text()
-    )
+    dashboard = json.loads(DASHBOARD.read_text())
     titles = " ".join(panel["title"] for panel in dashboard["panels"]).lower()
     for topic in ("first token", "inter-token", "goodput", "cache hit", "cost"):
         assert topic in titles
@@ -251,72 +236,3 @@ def test_dashboard_panels_use_metrics_the_gateway_exports(exported_metrics: set[
         for target in panel["targets"]:
             used |= _metric_names(target["expr"])
     assert used and used <= exported_metrics, used - exported_metrics
-
-
-# -- Helm -----------------------------------------------------------------------------------
-
-
-#: The published demo key of deploy/compose, which the chart's default values carry.
-DEMO_KEY = "sk-infermux-compose-demo"
-
-
-def _own_key_config() -> str:
-    """The chart's default ``config`` with a fresh key in place of the demo one."""
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    config: str = values["config"]
-    assert hash_key(DEMO_KEY) in config
-    return config.replace(hash_key(DEMO_KEY), hash_key(generate_key()))
-
-
-def test_helm_chart_refuses_the_published_demo_key_unless_the_release_is_a_demo() -> None:
-    with pytest.raises(TemplateFailure, match="DEMO key"):
-        render_chart(CHART)  # the default values, as `helm install` without --set
-    # Upper-case hex is the same digest to the gateway.
-    upper = _own_key_config() + f'[[auth.keys]]\nid = "d"\nkey_sha256 = "{hash_key(DEMO_KEY).upper()}"\n'
-    with pytest.raises(TemplateFailure, match="demo=true"):
-        render_chart(CHART, overrides={"config": upper})
-    own = render_chart(CHART, overrides={"config": _own_key_config()})
-    assert hash_key(DEMO_KEY) not in own["configmap.yaml"][0]["data"]["infermux.toml"]
-    demo = render_chart(CHART, overrides={"demo": True})
-    assert hash_key(DEMO_KEY) in demo["configmap.yaml"][0]["data"]["infermux.toml"]
-
-
-@pytest.mark.parametrize("autoscaling", [False, True])
-def test_helm_chart_renders_manifests_kubernetes_accepts(autoscaling: bool) -> None:
-    rendered = render_chart(
-        CHART, overrides={"autoscaling.enabled": autoscaling, "config": _own_key_config()}
-    )
-    documents = [doc for docs in rendered.values() for doc in docs]
-    kinds = sorted(doc["kind"] for doc in documents)
-    expected = ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service"]
-    assert kinds == sorted(expected + (["HorizontalPodAutoscaler"] if autoscaling else []))
-    for document in documents:
-        kubernetes_validate.validate(document, KUBERNETES, strict=True)
-    deployment = rendered["deployment.yaml"][0]
-    assert ("replicas" in deployment["spec"]) is not autoscaling
-
-
-def test_helm_pods_serve_the_configmap_and_drain_within_the_grace_period(
-    exported_metrics: set[str],
-) -> None:
-    rendered = render_chart(CHART, overrides={"autoscaling.enabled": True, "demo": True})
-    toml = rendered["configmap.yaml"][0]["data"]["infermux.toml"]
-    pod = rendered["deployment.yaml"][0]["spec"]["template"]["spec"]
-    container = pod["containers"][0]
-    env = {item["name"]: item["value"] for item in container["env"]}
-    env.update(rendered["secret.yaml"][0]["stringData"])
-    # The ConfigMap is a valid infermux config that may listen on 0.0.0.0.
-    config = config_from_dict(msgspec.toml.decode(toml.encode()))
-    check_exposure(msgspec.structs.replace(
-        config, server=msgspec.structs.replace(config.server, host=env["INFERMUX_HOST"])
-    ))  # fmt: skip
-    assert config.state.url_env in env
-    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
-    assert env["INFERMUX_CONFIG"] == f"{mount['mountPath']}/infermux.toml"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert pod["terminationGracePeriodSeconds"] > config.server.drain_timeout_s + pre_stop
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    hpa = rendered["hpa.yaml"][0]
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in exported_metrics
