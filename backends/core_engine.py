@@ -160,7 +160,7 @@ class CoreEngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     #: Of the pinned prefixes (Anthropic ``cache_control``; a quarter of the pool at most),
     #: the share one tenant's requests may hold (0..1; a pin beyond it is not made: the
     #: prefix stays cached as any other, evictable).
-    kv_pin_tenant_share: float = 0.25
+    kv_pin_tenant_share: float = 0.5
     #: Run the engine in its own supervised worker process (default); false: in the
     #: gateway's process (tests, notebooks; plugins registered by code then answer its hooks).
     engine_process: bool = True

@@ -130,7 +130,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_tenant_quota: float | None = None
     #: Of the prefix pins (``SamplingParams.pin_prefix``; a quarter of the pool at most), the
     #: share one tenant's requests may hold (None: no per-tenant cap).
-    kv_pin_tenant_share: float | None = 0.25
+    kv_pin_tenant_share: float | None = 0.5
     #: Ranks the weights are split over (:mod:`core_engine.distributed`): this engine is
     #: rank 0 and starts the others as processes; gloo on CPU, NCCL on CUDA (rank r on cuda:r).
     tensor_parallel_size: int = 1

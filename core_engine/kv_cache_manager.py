@@ -86,7 +86,7 @@ class KVCacheManager:
         *,
         enable_caching: bool = True,
         tenant_quota: int | None = None,
-        pin_tenant_share: float | None = 0.25,
+        pin_tenant_share: float | None = 0.5,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")

@@ -63,7 +63,7 @@ def test_pins_hold_at_most_a_quarter_of_the_pool() -> None:
 
 def test_one_tenant_pins_at_most_its_share_of_the_pins() -> None:
     # 64 blocks: pins hold 16 at most, one tenant a quarter of them (4 blocks of 4 tokens).
-    kv = KVCacheManager(num_blocks=64, block_size=4)
+    kv = KVCacheManager(num_blocks=64, block_size=4, pin_tenant_share=0.25)
     assert kv.max_pinned_blocks == 16 and kv.max_pinned_blocks_per_tenant == 4
 
     def pin(req_id: str, tenant: str | None, first: int) -> int:
