@@ -50,7 +50,16 @@ def _config(args: argparse.Namespace) -> str:
         )
     for strategy in STRATEGIES:
         out.append(f'[[models]]\nalias = "{strategy}"\nbackends = {json.dumps(list(REPLICAS))}\nstrategy = "{strategy}"\n')
+    if args.tenant_keys:  # each workload tenant its own API key and gateway tenant
+        from gateway.http.auth import hash_key
+
+        for tenant in range(args.tenants):
+            out.append(f'[[auth.keys]]\nid = "k{tenant}"\ntenant = "t{tenant}"\nkey_sha256 = "{hash_key(_key(tenant))}"\n')
     return "\n".join(out)
+
+
+def _key(tenant: int) -> str:
+    return f"sk-routing-bench-tenant-{tenant}"
 
 
 def _system_prompt(salt: str, tenant: int, sentences: int) -> str:
@@ -59,7 +68,9 @@ def _system_prompt(salt: str, tenant: int, sentences: int) -> str:
     return f"[{salt}] You are the assistant of tenant {tenant}, the {topic} desk. {rules}"
 
 
-async def _turn(client: Any, url: str, alias: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+async def _turn(
+    client: Any, url: str, alias: str, messages: list[dict[str, str]], max_tokens: int, key: str | None = None
+) -> dict[str, Any]:
     body = {
         "model": alias, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
@@ -68,7 +79,8 @@ async def _turn(client: Any, url: str, alias: str, messages: list[dict[str, str]
     ttft = None
     text = []
     usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+    headers = {"authorization": f"Bearer {key}"} if key is not None else {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -108,7 +120,8 @@ async def _phase(url: str, strategy: str, args: argparse.Namespace, salt: str) -
             messages = [{"role": "system", "content": _system_prompt(salt, tenant, args.system_sentences)}]
             for turn in range(args.turns):
                 messages.append({"role": "user", "content": f"Session {session}, question {turn}: what should I do next?"})
-                result = await _turn(client, url, strategy, messages, args.max_tokens)
+                key = _key(tenant) if args.tenant_keys else None
+                result = await _turn(client, url, strategy, messages, args.max_tokens, key)
                 results.append(result)
                 messages.append({"role": "assistant", "content": result["text"]})
 
@@ -194,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="per replica")
     parser.add_argument("--kv-cache-mb", type=int, default=96, help="per replica")
     parser.add_argument("--quick", action="store_true", help="a short run that proves it works")
+    parser.add_argument("--tenant-keys", action="store_true",
+                        help="one API key per workload tenant (each its own gateway tenant: prefix caches salted per tenant)")
     parser.add_argument("--role", choices=("infermux",), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)

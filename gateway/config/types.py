@@ -208,7 +208,8 @@ class StateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class ResponsesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[responses]``: retention of the Responses API's stored responses, per API key.
+    """``[responses]``: retention of the Responses API's stored responses, per API key and
+    per tenant.
 
     They live where the ledger does: Postgres with ``[cost] database`` (every replica
     reads them), else the ledger's SQLite file (gateway/openai/response_store.py).
@@ -221,6 +222,9 @@ class ResponsesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     #: A key's stored responses and conversations in bytes; storing one more deletes the
     #: key's oldest until it fits. One response alone over it is refused (400, ``store``).
     max_bytes_per_key: Annotated[int, msgspec.Meta(ge=1)] = 256 * 1024 * 1024
+    #: All the keys of one tenant (``[[auth.keys]] tenant``) together, in bytes; storing one
+    #: more deletes the tenant's oldest (of any of its keys) until it fits.
+    max_bytes_per_tenant: Annotated[int, msgspec.Meta(ge=1)] = 1024 * 1024 * 1024
 
 
 class InfermuxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

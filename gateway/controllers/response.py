@@ -211,7 +211,8 @@ def responses_endpoint(store: StoredResponses) -> GenerationEndpoint[ResponseReq
             exc.param = _param(exc.param)
             raise
         output = ResponseOutput(
-            data=data, conversation=conversation, store=store, api_key_id=context.api_key_id
+            data=data, conversation=conversation, store=store, api_key_id=context.api_key_id,
+            tenant=context.tenant,
         )
         # The stream ends with response.completed (or .incomplete): no "data: [DONE]".
         return Generation(requests, output, 1, bool(data.stream), done_frame=b"", persist=output.persist)

@@ -133,6 +133,7 @@ async def _serve(
             traceparent=headers.get("traceparent"),
             labels=_with_key_slo(header_labels(headers, (*config.plugins.request_headers, *SLO_HEADERS)), api_key),
             api_key_id=api_key.id if api_key is not None else None,
+            tenant=api_key.tenant if api_key is not None else None,
             cache_partition=config.cache.partition_of(api_key.tenant) if api_key is not None else None,
         ),
     )

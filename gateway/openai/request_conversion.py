@@ -98,6 +98,8 @@ class RequestContext(msgspec.Struct, frozen=True, kw_only=True):
     #: The id of the API key that sent it (None in open mode): the Responses API keys
     #: its stored responses on it.
     api_key_id: str | None = None
+    #: That key's tenant (None in open mode): the Responses API's per-tenant byte quota.
+    tenant: str | None = None
     #: The prefix-cache partition of the key's tenant (``CacheConfig.partition_of``: the
     #: tenant's own, or its sharing group's). None in open mode: one local user, one tenant.
     cache_partition: str | None = None

@@ -72,6 +72,7 @@ class ResponseOutput:
         conversation: list[dict[str, Any]],
         store: StoredResponses | None,
         api_key_id: str | None,
+        tenant: str | None = None,
     ) -> None:
         self.data = data
         self.response_id = f"resp_{secrets.token_hex(16)}"
@@ -80,6 +81,7 @@ class ResponseOutput:
         self.conversation = conversation
         self.store = store
         self.api_key_id = api_key_id
+        self.tenant = tenant
         self._texts: list[str] = []
         self._message_index: int | None = None
         self._calls: dict[int, _Call] = {}
@@ -159,7 +161,7 @@ class ResponseOutput:
         """Store the ended response (with ``store``), on the store's worker threads."""
         if self.store is not None and self._to_store is not None:
             body, conversation = self._to_store
-            await self.store.put(self.response_id, self.api_key_id, body, conversation)
+            await self.store.put(self.response_id, self.api_key_id, body, conversation, self.tenant)
 
     def _message(self, status: str, *, with_text: bool = True) -> OutputMessage:
         content = [OutputText(text="".join(self._texts))] if with_text else []

@@ -16,10 +16,11 @@ size, and the API key id that created it: every read and delete is keyed by (id,
 key never sees, continues or deletes another key's response (it gets the same 404 as for an
 id that never existed). In open mode (no keys) the key is NULL.
 
-Retention (``[responses]``) is bounded per key, applied in the transaction that stores a
-response: rows older than ``max_age_s`` go; then the key's oldest go until it has at most
-``max_per_key`` rows and ``max_bytes_per_key`` bytes (body plus conversation), the new one
-included. Eviction, not refusal, so a long-lived client keeps working like a ring buffer of
+Retention (``[responses]``) is bounded per key and per tenant, applied in the transaction
+that stores a response: rows older than ``max_age_s`` go; then the key's oldest go until it
+has at most ``max_per_key`` rows and ``max_bytes_per_key`` bytes (body plus conversation),
+the new one included; then its tenant's oldest (of any of the tenant's keys) until the tenant
+holds at most ``max_bytes_per_tenant`` bytes. Eviction, not refusal, so a long-lived client keeps working like a ring buffer of
 its recent responses; only one response larger than the whole byte quota is refused
 (:class:`StoredResponseTooLargeError`, 400 naming ``store``), since storing it would leave
 the key over its quota with nothing else to evict.
@@ -61,6 +62,7 @@ _BUSY_TIMEOUT_S = 2.0
 DEFAULT_MAX_AGE_S = 30 * 24 * 3600.0
 DEFAULT_MAX_PER_KEY = 10_000
 DEFAULT_MAX_BYTES_PER_KEY = 256 * 1024 * 1024
+DEFAULT_MAX_BYTES_PER_TENANT = 1024 * 1024 * 1024
 #: Worker threads of :class:`StoredResponses`: store calls in flight at once per gateway.
 _THREADS = 4
 
@@ -71,7 +73,8 @@ CREATE TABLE IF NOT EXISTS responses (
     created_at   REAL NOT NULL,
     body         BLOB NOT NULL,
     conversation BLOB NOT NULL,
-    size         INTEGER NOT NULL DEFAULT 0
+    size         INTEGER NOT NULL DEFAULT 0,
+    tenant       TEXT
 );
 CREATE INDEX IF NOT EXISTS responses_key ON responses (api_key_id, created_at);
 """
@@ -84,26 +87,31 @@ CREATE TABLE IF NOT EXISTS responses (
     conversation BYTEA NOT NULL,
     size         BIGINT NOT NULL
 );
+ALTER TABLE responses ADD COLUMN IF NOT EXISTS tenant TEXT;
 CREATE INDEX IF NOT EXISTS responses_key ON responses (api_key_id, created_at);
+CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, created_at);
 CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
 """
 #: Advisory lock keys (any constants the deployment does not use for its own locks): schema
-#: creation by replicas starting at once, and one key's store-then-evict transactions, so
-#: two replicas storing for one key cannot both see it under its quota.
+#: creation by replicas starting at once, and one tenant's (or, without a tenant, one key's)
+#: store-then-evict transactions, so two replicas storing for it cannot both see it under
+#: its quota.
 _PG_SCHEMA_LOCK = 0x696E6672  # "infr"
 _PG_KEY_LOCK = 0x696E666B  # "infk"
 _PG_CONNECT_TIMEOUT_S = 2.0
+#: The row bound of a tenant's eviction (tenants are bounded in bytes; rows per key).
+_NO_ROW_LIMIT = 2**62
 #: Expired rows one store deletes at most (the next store deletes more).
 _PG_EXPIRE_BATCH = 100
 
 
-def _evict_sql(same_key: str, mark: str) -> str:
-    """Delete a key's rows beyond its newest ``max_per_key`` or ``max_bytes_per_key``:
-    params (key, max_per_key, max_bytes_per_key)."""
+def _evict_sql(column: str, same: str, mark: str) -> str:
+    """Delete the rows of one ``column`` value (a key, a tenant) beyond its newest N rows or
+    B bytes: params (value, N, B)."""
     return (
         "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, "
         "ROW_NUMBER() OVER newest AS n, SUM(size) OVER newest AS total "
-        f"FROM responses WHERE api_key_id {same_key} {mark} "
+        f"FROM responses WHERE {column} {same} {mark} "
         "WINDOW newest AS (ORDER BY created_at DESC, id DESC ROWS UNBOUNDED PRECEDING)) "
         f"AS ranked WHERE n > {mark} OR total > {mark})"
     )
@@ -117,7 +125,8 @@ class StoredResponse(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StoredResponseTooLargeError(InvalidRequestError):
-    """One response bigger than its key's whole ``max_bytes_per_key``."""
+    """One response bigger than its key's whole ``max_bytes_per_key`` (or its tenant's
+    ``max_bytes_per_tenant``)."""
 
     code = "stored_response_too_large"
 
@@ -126,8 +135,11 @@ class ResponseStorage(Protocol):
     """Where stored responses live; blocking calls (the gateway makes them on worker
     threads, through :class:`StoredResponses`)."""
 
-    def put(self, response_id: str, api_key_id: str | None, body: bytes, conversation: list[dict[str, Any]]) -> None:
-        """Store a response, then apply the retention bounds."""
+    def put(
+        self, response_id: str, api_key_id: str | None, body: bytes, conversation: list[dict[str, Any]],
+        tenant: str | None = None,
+    ) -> None:
+        """Store a response, then apply the retention bounds (the key's, and its tenant's)."""
         ...
 
     def get(self, response_id: str, api_key_id: str | None) -> StoredResponse | None:
@@ -144,22 +156,27 @@ class ResponseStorage(Protocol):
 class _Limits:
     """The retention bounds both stores apply, and the one-response size check."""
 
-    def __init__(self, max_age_s: float, max_per_key: int, max_bytes_per_key: int) -> None:
+    def __init__(self, max_age_s: float, max_per_key: int, max_bytes_per_key: int, max_bytes_per_tenant: int) -> None:
         self.max_age_s = max_age_s
         self.max_per_key = max_per_key
         self.max_bytes_per_key = max_bytes_per_key
+        self.max_bytes_per_tenant = max_bytes_per_tenant
 
-    def _row(self, body: bytes, conversation: list[dict[str, Any]]) -> tuple[bytes, int]:
-        """The encoded conversation and the row's size; refuses one over the whole quota."""
+    def _row(self, body: bytes, conversation: list[dict[str, Any]], tenant: str | None) -> tuple[bytes, int]:
+        """The encoded conversation and the row's size; refuses one over a whole quota."""
         encoded = msgspec.json.encode(conversation)
         size = len(body) + len(encoded)
-        if size > self.max_bytes_per_key:
-            raise StoredResponseTooLargeError(
-                f"this response and its conversation are {size} bytes, more than the "
-                f"{self.max_bytes_per_key} bytes a key may store ([responses] "
-                "max_bytes_per_key); send store=false, or continue with a shorter conversation",
-                param="store",
-            )
+        for limit, who, key in (
+            (self.max_bytes_per_key, "a key", "max_bytes_per_key"),
+            (self.max_bytes_per_tenant if tenant is not None else None, "a tenant", "max_bytes_per_tenant"),
+        ):
+            if limit is not None and size > limit:
+                raise StoredResponseTooLargeError(
+                    f"this response and its conversation are {size} bytes, more than the "
+                    f"{limit} bytes {who} may store ([responses] {key}); send store=false, "
+                    "or continue with a shorter conversation",
+                    param="store",
+                )
         return encoded, size
 
     def _expired(self, created_at: float) -> bool:
@@ -182,8 +199,9 @@ class ResponseStore(_Limits):
         max_age_s: float = DEFAULT_MAX_AGE_S,
         max_per_key: int = DEFAULT_MAX_PER_KEY,
         max_bytes_per_key: int = DEFAULT_MAX_BYTES_PER_KEY,
+        max_bytes_per_tenant: int = DEFAULT_MAX_BYTES_PER_TENANT,
     ) -> None:
-        super().__init__(max_age_s, max_per_key, max_bytes_per_key)
+        super().__init__(max_age_s, max_per_key, max_bytes_per_key, max_bytes_per_tenant)
         self.path = Path(path)
         self._lock = threading.Lock()
         self._connection: sqlite3.Connection | None = None
@@ -199,7 +217,7 @@ class ResponseStore(_Limits):
                 )
                 connection.execute("PRAGMA journal_mode=WAL")
                 connection.executescript(_SQLITE_SCHEMA)
-                _add_size_column(connection)
+                _add_columns(connection)
             except (sqlite3.Error, OSError) as exc:
                 raise InfermuxError(f"the response store {str(self.path)!r} cannot be opened: {exc}") from exc
             self._connection = connection
@@ -211,23 +229,28 @@ class ResponseStore(_Limits):
         api_key_id: str | None,
         body: bytes,
         conversation: list[dict[str, Any]],
+        tenant: str | None = None,
     ) -> None:
         """Store a response, then apply the retention bounds (module docstring)."""
-        encoded, size = self._row(body, conversation)
+        encoded, size = self._row(body, conversation, tenant)
         now = time.time()
         with self._lock:
             connection = self._connect()
             try:
                 connection.execute("BEGIN IMMEDIATE")
                 connection.execute(
-                    "INSERT INTO responses (id, api_key_id, created_at, body, conversation, size) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (response_id, api_key_id, now, body, encoded, size),
+                    "INSERT INTO responses (id, api_key_id, created_at, body, conversation, size, tenant) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (response_id, api_key_id, now, body, encoded, size, tenant),
                 )
                 connection.execute("DELETE FROM responses WHERE created_at < ?", (now - self.max_age_s,))
                 connection.execute(
-                    _evict_sql("IS", "?"), (api_key_id, self.max_per_key, self.max_bytes_per_key)
+                    _evict_sql("api_key_id", "IS", "?"), (api_key_id, self.max_per_key, self.max_bytes_per_key)
                 )
+                if tenant is not None:
+                    connection.execute(
+                        _evict_sql("tenant", "IS", "?"), (tenant, _NO_ROW_LIMIT, self.max_bytes_per_tenant)
+                    )
                 connection.execute("COMMIT")
             except sqlite3.Error as exc:
                 if connection.in_transaction:
@@ -264,13 +287,17 @@ class ResponseStore(_Limits):
                 self._connection = None
 
 
-def _add_size_column(connection: sqlite3.Connection) -> None:
-    """A file stored by an older infermux has no ``size``: add it, filled in."""
+def _add_columns(connection: sqlite3.Connection) -> None:
+    """A file stored by an older infermux has no ``size`` (added, filled in) or ``tenant``
+    (added, empty: its rows count for their keys only)."""
     columns = {row[1] for row in connection.execute("PRAGMA table_info(responses)")}
-    if "size" not in columns:
-        with connection:
+    with connection:
+        if "size" not in columns:
             connection.execute("ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0")
             connection.execute("UPDATE responses SET size = length(body) + length(conversation)")
+        if "tenant" not in columns:
+            connection.execute("ALTER TABLE responses ADD COLUMN tenant TEXT")
+        connection.execute("CREATE INDEX IF NOT EXISTS responses_tenant ON responses (tenant, created_at)")
 
 
 class PostgresResponseStore(_Limits):
@@ -291,13 +318,14 @@ class PostgresResponseStore(_Limits):
         max_age_s: float = DEFAULT_MAX_AGE_S,
         max_per_key: int = DEFAULT_MAX_PER_KEY,
         max_bytes_per_key: int = DEFAULT_MAX_BYTES_PER_KEY,
+        max_bytes_per_tenant: int = DEFAULT_MAX_BYTES_PER_TENANT,
         max_connections: int = _THREADS,
     ) -> None:
         from psycopg_pool import ConnectionPool
 
         from plugins.builtin.cost.pg_ledger import redacted_url
 
-        super().__init__(max_age_s, max_per_key, max_bytes_per_key)
+        super().__init__(max_age_s, max_per_key, max_bytes_per_key, max_bytes_per_tenant)
         self.location = redacted_url(url)
         self._pool: ConnectionPool = ConnectionPool(
             url,
@@ -342,21 +370,22 @@ class PostgresResponseStore(_Limits):
         api_key_id: str | None,
         body: bytes,
         conversation: list[dict[str, Any]],
+        tenant: str | None = None,
     ) -> None:
         """Store a response, then apply the retention bounds (module docstring), in one
-        transaction under the key's advisory lock."""
-        encoded, size = self._row(body, conversation)
+        transaction under the advisory lock of its tenant (a key belongs to one tenant), or of
+        its key where there is no tenant."""
+        encoded, size = self._row(body, conversation, tenant)
         now = time.time()
+        owner = f"tenant:{tenant}" if tenant is not None else f"key:{api_key_id or ''}"
 
         def work(connection: Any) -> None:
             with connection.transaction():
+                connection.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_PG_KEY_LOCK, owner))
                 connection.execute(
-                    "SELECT pg_advisory_xact_lock(%s, hashtext(COALESCE(%s, '')))", (_PG_KEY_LOCK, api_key_id)
-                )
-                connection.execute(
-                    "INSERT INTO responses (id, api_key_id, created_at, body, conversation, size) "
-                    "VALUES (%s, %s, %s, %s, %s, %s)",
-                    (response_id, api_key_id, now, body, encoded, size),
+                    "INSERT INTO responses (id, api_key_id, created_at, body, conversation, size, tenant) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                    (response_id, api_key_id, now, body, encoded, size, tenant),
                 )
                 # Rows another replica is deleting are skipped, not waited for.
                 connection.execute(
@@ -365,9 +394,13 @@ class PostgresResponseStore(_Limits):
                     (now - self.max_age_s, _PG_EXPIRE_BATCH),
                 )
                 connection.execute(
-                    _evict_sql("IS NOT DISTINCT FROM", "%s"),
+                    _evict_sql("api_key_id", "IS NOT DISTINCT FROM", "%s"),
                     (api_key_id, self.max_per_key, self.max_bytes_per_key),
                 )
+                if tenant is not None:
+                    connection.execute(
+                        _evict_sql("tenant", "=", "%s"), (tenant, _NO_ROW_LIMIT, self.max_bytes_per_tenant)
+                    )
 
         self._run(work)
 
@@ -418,9 +451,10 @@ class StoredResponses:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(method, *args))
 
     async def put(
-        self, response_id: str, api_key_id: str | None, body: bytes, conversation: list[dict[str, Any]]
+        self, response_id: str, api_key_id: str | None, body: bytes, conversation: list[dict[str, Any]],
+        tenant: str | None = None,
     ) -> None:
-        await self._call(self.storage.put, response_id, api_key_id, body, conversation)
+        await self._call(self.storage.put, response_id, api_key_id, body, conversation, tenant)
 
     async def get(self, response_id: str, api_key_id: str | None) -> StoredResponse | None:
         stored: StoredResponse | None = await self._call(self.storage.get, response_id, api_key_id)
@@ -447,6 +481,7 @@ def open_response_store(config: InfermuxConfig, ledger_path: Path) -> StoredResp
             max_age_s=limits.max_age_s,
             max_per_key=limits.max_per_key,
             max_bytes_per_key=limits.max_bytes_per_key,
+            max_bytes_per_tenant=limits.max_bytes_per_tenant,
         )
     else:
         storage = ResponseStore(
@@ -454,5 +489,6 @@ def open_response_store(config: InfermuxConfig, ledger_path: Path) -> StoredResp
             max_age_s=limits.max_age_s,
             max_per_key=limits.max_per_key,
             max_bytes_per_key=limits.max_bytes_per_key,
+            max_bytes_per_tenant=limits.max_bytes_per_tenant,
         )
     return StoredResponses(storage)

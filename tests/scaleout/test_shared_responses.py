@@ -1,8 +1,8 @@
 """Stored Responses (``store``, ``previous_response_id``, ``GET``/``DELETE
 /v1/responses/{id}``) on a real PostgreSQL shared by two ``infermux serve`` replicas, each
 with its own ledger folder as on two machines: what one replica stored, the other continues,
-reads and deletes. The per-key byte quota (``[responses] max_bytes_per_key``) evicts a key's
-oldest across replicas. And a store call never runs on the event loop: a locked SQLite
+reads and deletes. The per-key and per-tenant byte quotas (``[responses] max_bytes_per_key``,
+``max_bytes_per_tenant``) evict the oldest across replicas. And a store call never runs on the event loop: a locked SQLite
 store holds its own request only, while ``/health`` answers."""
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ from servers import Gateway, serving
 from test_postgres_ledger import postgres_url  # noqa: F401 - the fixture: a fresh database
 
 from gateway.http.auth import hash_key
-from gateway.openai.response_store import ResponseStore, StoredResponseTooLargeError
+from gateway.openai.response_store import (
+    PostgresResponseStore,
+    ResponseStore,
+    StoredResponseTooLargeError,
+)
 from gateway.testing import gateway_config
 
 ALICE = "sk-alice-shared-responses-0123456789"
@@ -159,6 +163,47 @@ def test_the_sqlite_store_applies_the_same_byte_quota(tmp_path: Path) -> None:
     with pytest.raises(StoredResponseTooLargeError, match="max_bytes_per_key"):
         store.put("huge", "k", b"b" * 300, [])
     assert store.get("r1", "k") is not None  # nothing evicted for a refused one
+    store.close()
+
+
+def test_the_tenant_byte_quota_spans_its_keys_on_every_replica(
+    postgres_url: str,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    """alice and bob are keys of one tenant (the default one): together they may store
+    ``QUOTA`` bytes, so bob's response evicts alice's oldest."""
+    limits = f"[responses]\nmax_bytes_per_tenant = {QUOTA}\n"
+    with replicas(postgres_url, tmp_path, limits) as (one, two):
+        oldest = create(one, input=WORDS)
+        bobs = create(two, BOB, input=WORDS)
+        newest = create(two, input=WORDS)  # the tenant's third: over 5000 bytes with the oldest
+        for gw in (one, two):
+            assert call("GET", gw, f"/v1/responses/{oldest['id']}").status_code == 404
+            assert call("GET", gw, f"/v1/responses/{bobs['id']}", BOB).status_code == 200
+            assert call("GET", gw, f"/v1/responses/{newest['id']}").status_code == 200
+        with psycopg.connect(postgres_url) as connection:
+            stored = connection.execute("SELECT COUNT(*), SUM(size) FROM responses WHERE tenant = 'default'").fetchone()
+        assert stored is not None and stored[0] == 2 and stored[1] <= QUOTA
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_both_stores_bound_a_tenant_across_its_keys(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    store: Any
+    if kind == "sqlite":
+        store = ResponseStore(tmp_path / "ledger.sqlite3", max_bytes_per_tenant=250)
+    else:
+        store = PostgresResponseStore(request.getfixturevalue("postgres_url"), max_bytes_per_tenant=250)
+    conversation = [{"role": "user", "content": "x" * 40}]  # 50 bytes as JSON, plus the body
+    store.put("t1", "k1", b"b" * 50, conversation, "acme")  # 100 bytes each
+    store.put("t2", "k2", b"b" * 50, conversation, "acme")
+    store.put("u1", "j", b"b" * 50, conversation, "globex")
+    store.put("open", None, b"b" * 50, conversation)  # no tenant (open mode): its key's quota only
+    store.put("t3", "k1", b"b" * 50, conversation, "acme")  # acme's third: 300 bytes
+    assert store.get("t1", "k1") is None  # acme's oldest went, though k1 itself holds 200 bytes
+    assert store.get("t2", "k2") is not None and store.get("t3", "k1") is not None
+    assert store.get("u1", "j") is not None and store.get("open", None) is not None
+    with pytest.raises(StoredResponseTooLargeError, match="max_bytes_per_tenant"):
+        store.put("huge", "k2", b"b" * 300, [], "acme")
     store.close()
 
 
