@@ -28,10 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUILD_COMMAND", "cache_dir", "cached_file", "file_sha256", "versions"]
-
-#: The command that builds every artifact.
-BUILD_COMMAND = ".venv/bin/python scripts/build_test_artifacts.py"
+__all__ = ["cache_dir", "cached_file", "file_sha256", "versions"]
 
 
 def cache_dir() -> Path:

@@ -35,6 +35,7 @@ from plugins.builtin.cache_aware import CacheAwareStrategy
 from plugins.builtin.strategies import RoutingContext
 from tests.core_engine.engine_util import engine_like, make_engine
 from tests.core_engine.gguf_factory import TinyLlamaSpec, write_llama_gguf
+from tests.routing.test_cache_aware import _replica  # the same two small replicas
 
 MODEL = "smol"
 GROUP = [f"app{i}" for i in range(8)]
@@ -152,13 +153,6 @@ def test_a_tenant_in_two_sharing_groups_is_a_config_error() -> None:
 
 
 # -- the cache_aware router -----------------------------------------------------------------
-
-
-def _replica(name: str) -> BackendConfig:
-    return BackendConfig(
-        name=name, kind="core_engine",
-        options={"num_threads": 1, "kv_cache_memory_mb": 24, "max_num_seqs": 4, "max_model_len": 1024},
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
