@@ -156,6 +156,113 @@ def test_the_image_command_serves_the_default_model_and_answers_ready(tmp_path: 
     assert process.returncode == 0
 
 
+def package_install(path: Path) -> tuple[dict[str, str], list[str]]:
+    """The build stage's install of the package with its kernels: the environment it sets
+    and pip's arguments (the line that sets INFERMUX_BUILD_KERNELS)."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    (line,) = (line for line in text.splitlines() if line.startswith("RUN ") and "INFERMUX_BUILD_KERNELS" in line)
+    (command,) = (part for part in line[4:].split("&&") if "INFERMUX_BUILD_KERNELS" in part)
+    words = shlex.split(command)
+    assignments = [word for word in words if "=" in word and not word.startswith("-") and word[0].isupper()]
+    assert words[len(assignments) : len(assignments) + 2] == ["pip", "install"], command
+    return dict(word.split("=", 1) for word in assignments), words[len(assignments) + 2 :]
+
+
+@pytest.mark.slow
+def test_the_image_install_compiles_the_kernels_for_a_runtime_without_a_compiler(tmp_path: Path) -> None:
+    """The build stage's install line, run here into a fresh venv: the C++ kernels are built
+    at install, and a runtime with no compiler (the image's runtime stage has none) serves
+    the default model on core_engine with weight_format = "auto" from them: no compile, no
+    fallback to the slower torch paths."""
+    env, pip_args = package_install(DEPLOY / "Dockerfile")
+    assert env.get("INFERMUX_BUILD_KERNELS") == "1" and "--no-build-isolation" in pip_args
+    # What the build stage COPYs, in a folder of its own (pip builds in place).
+    source = tmp_path / "src"
+    for name in Dockerfile(DEPLOY / "Dockerfile").context_sources:
+        if name.startswith("deploy/"):
+            continue
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "prebuilt"))
+        else:
+            source.mkdir(exist_ok=True)
+            shutil.copyfile(REPO / name, source / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    # The dependencies (the stage's line before: torch, pip, setuptools...) from this checkout's
+    # venv, after the new venv's own packages: a test cannot download them.
+    (purelib / "zz-dependencies.pth").write_text(sysconfig_purelib() + "\n")
+    args = [str(source) if arg == "." else arg for arg in pip_args]
+    build = subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-index", *args],
+        cwd=source, env={**os.environ, **env, "INFERMUX_CACHE_DIR": str(tmp_path / "build-user-cache")},
+        capture_output=True, text=True, timeout=600,
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    built = sorted(p.name.split("-")[0] for p in (purelib / "core_engine/kernels/cpu/prebuilt").glob("*.so"))
+    assert built == ["infermux_paged_decode", "infermux_quant_linear"], built
+    assert not (tmp_path / "build-user-cache" / "kernels").exists()
+
+    # The runtime: this venv's programs only on PATH, an empty kernel cache.
+    assert shutil.which("g++", path=str(venv / "bin")) is None and shutil.which("c++", path=str(venv / "bin")) is None
+    config = tmp_path / "core_engine.toml"
+    config.write_text(
+        '[[backends]]\nname = "native"\nkind = "core_engine"\n[backends.options]\nweight_format = "auto"\n'
+        'num_threads = 2\nkv_cache_memory_mb = 64\n\n[[models]]\nalias = "smollm2"\nbackends = ["native"]\n'
+    )
+    port = free_port()
+    runtime_env = {
+        "PATH": str(venv / "bin"), "HOME": str(tmp_path), "CXX": "", "INFERMUX_CACHE_DIR": str(tmp_path / "cache"),
+        "INFERMUX_LEDGER_PATH": str(tmp_path / "ledger.sqlite3"),
+    }
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(venv / "bin" / "infermux"), "serve", "--config", str(config), "--port", str(port)],
+            cwd=tmp_path, env=runtime_env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready within 300 s"
+            time.sleep(0.2)
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    served = log.read_text()
+    # Both kernels came from the install, the 4-bit products run on them, nothing compiled.
+    for kernel in ("quant_linear", "paged_decode"):
+        assert f"the {kernel} CPU kernel built at install: {purelib}" in served, served[-3000:]
+    assert "matmul weights: int4" in served
+    assert "compiling" not in served and "did not build" not in served
+    assert not (tmp_path / "cache" / "kernels").exists()
+
+
+def sysconfig_purelib() -> str:
+    import sysconfig
+
+    return sysconfig.get_paths()["purelib"]
+
+
 def test_the_image_config_refuses_all_interfaces_without_keys() -> None:
     """Why the image listens on loopback: the same config on 0.0.0.0 is refused."""
     config = load_config(DEPLOY / "infermux.toml", env={"INFERMUX_HOST": "0.0.0.0"})

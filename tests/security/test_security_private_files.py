@@ -323,6 +323,9 @@ _LOAD_KERNEL = textwrap.dedent(
     import logging, sys
     from pathlib import Path
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    import core_engine.kernels.cpu as kernels
+    if len(sys.argv) > 2:  # where "the install" put its libraries (the package's prebuilt/)
+        kernels.installed_dir = lambda: Path(sys.argv[2])
     from core_engine.kernels.cpu import KernelBuildError, cached_build
     try:
         cached_build(Path(sys.argv[1]), "infermux_cache_probe", "x86-64")
@@ -334,18 +337,21 @@ _LOAD_KERNEL = textwrap.dedent(
 )
 
 
-def load_kernel(cache: Path, source: Path) -> subprocess.CompletedProcess[str]:
-    """Load ``source``'s library through the cache in a fresh process (one load per process)."""
-    env = {**os.environ, "INFERMUX_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+def load_kernel(
+    cache: Path, source: Path, installed: Path | None = None, *, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Load ``source``'s library through the cache in a fresh process (one load per process);
+    ``installed``: the folder standing for the package's ``prebuilt/``."""
+    env = {**os.environ, "INFERMUX_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
-        [sys.executable, "-c", _LOAD_KERNEL, str(source)], capture_output=True, text=True, env=env, cwd=REPO,
-        timeout=600,
+        [sys.executable, "-c", _LOAD_KERNEL, str(source), *([str(installed)] if installed else [])],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=600,
     )
 
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The small source, at one path for the module (the path is part of the cache key)."""
+    """The small source, at one path for the module (its file name is part of the cache key)."""
     source = tmp_path_factory.mktemp("kernel-source") / "infermux_cache_probe.cpp"
     source.write_text(_SMALL_SOURCE)
     return source
@@ -420,6 +426,58 @@ def test_a_kernel_cache_folder_others_control_is_refused(plant: str, cache: Path
     done = load_kernel(cache, probe)
     assert done.returncode == 3, done.stdout + done.stderr
     assert f"REFUSED the kernel cache cannot be used: {folder} " in done.stdout
+
+
+def installed_copy(cache: Path, folder: Path) -> Path:
+    """What an install leaves in the package's ``prebuilt/``: the library and its record, 0644."""
+    folder.mkdir()
+    library = library_of(cache)
+    for path in (library, library.with_name(library.name + ".sha256")):
+        shutil.copyfile(path, folder / path.name)
+        (folder / path.name).chmod(0o644)
+    return folder / library.name
+
+
+def no_compiler_env(tmp_path: Path) -> dict[str, str]:
+    """A PATH with this Python only: no g++, c++ nor CXX, as in the image's runtime stage."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    assert shutil.which("g++", path=str(bin_dir)) is None and shutil.which("c++", path=str(bin_dir)) is None
+    return {"PATH": str(bin_dir), "CXX": ""}
+
+
+def test_a_kernel_built_at_install_is_loaded_where_no_compiler_is(built_cache: Path, probe: Path, tmp_path: Path) -> None:
+    installed = installed_copy(built_cache, tmp_path / "prebuilt")
+    empty_cache = tmp_path / "cache"
+    done = load_kernel(empty_cache, probe, installed.parent, env=no_compiler_env(tmp_path))
+    assert done.stdout.strip() == "LOADED", done.stdout + done.stderr
+    assert not (empty_cache / "kernels").exists()  # nothing compiled, nothing cached
+    # Without it, the same runtime says why it cannot serve the kernel, and what to do.
+    installed.unlink()
+    done = load_kernel(empty_cache, probe, installed.parent, env=no_compiler_env(tmp_path / "again"))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "no C++ compiler found" in done.stdout and "built at install" in done.stdout
+
+
+@pytest.mark.parametrize("plant", ["changed", "group_writable", "another_owner"])
+def test_an_installed_kernel_not_as_its_install_left_it_is_passed_over(
+    plant: str, built_cache: Path, probe: Path, tmp_path: Path
+) -> None:
+    installed = installed_copy(built_cache, tmp_path / "prebuilt")
+    if plant == "changed":
+        data = bytearray(installed.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        installed.write_bytes(bytes(data))
+    elif plant == "group_writable":
+        installed.chmod(0o664)
+    else:
+        os.chown(installed, OTHER_UID, OTHER_UID)
+    cache = tmp_path / "cache"
+    done = load_kernel(cache, probe, installed.parent)
+    assert done.stdout.strip() == "LOADED", done.stdout + done.stderr
+    assert "not using" in done.stderr and str(installed) in done.stderr
+    assert library_of(cache).is_file()  # compiled into the user's cache instead
 
 
 _USE_OPENBLAS = "from backends.mlx.cpu_blas import use_openblas; print('BLAS', use_openblas())"
