@@ -1,7 +1,9 @@
 """``infermux bench``: the command line of the serving benchmark.
 
 ``gateway.cli`` registers it with :func:`add_parser`; ``python -m gateway.bench`` runs it alone
-through :func:`main`. See docs/bench.md for the metrics.
+through :func:`main`. See docs/bench.md for the metrics. ``vllm bench serve``'s flag names are
+accepted too: the plain renames as second option strings below (``--num-prompts``), the rest
+in :mod:`gateway.bench.vllm_flags`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 
 from gateway.bench.config import BenchConfig, Target, parse_prices, parse_slo
 from gateway.bench.errors import BenchConfigError, BenchError
+from gateway.bench.vllm_flags import add_vllm_arguments, apply_vllm_flags
 from gateway.bench.workload import WORKLOAD_NAMES, WorkloadSpec
 
 __all__ = ["add_arguments", "add_parser", "config_from_args", "main", "run"]
@@ -44,13 +47,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     target = parser.add_argument_group("endpoint")
-    target.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    target.add_argument(
+        "--url", "--base-url", help="base URL, e.g. http://127.0.0.1:8000 (required)"
+    )
     target.add_argument("--model", help="model name; default: the first of GET /v1/models")
     target.add_argument("--api-key", help="bearer key (default: $OPENAI_API_KEY)")
     target.add_argument(
-        "--header", action="append", default=[], metavar="K:V", help="extra header (repeatable)"
+        "--header",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="K:V",
+        help="extra header, K:V or K=V (repeatable)",
     )
-    target.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    target.add_argument(
+        "--endpoint",
+        type=_endpoint,
+        help="chat (default) or completions; vLLM's /v1/chat/completions, /v1/completions too",
+    )
 
     compare = parser.add_argument_group("comparison (B against A = --url)")
     compare.add_argument(
@@ -82,14 +96,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload = parser.add_argument_group("workload")
     workload.add_argument(
         "--workload",
-        default="fixed",
         metavar="NAME|FILE",
-        help=f"one of {', '.join(WORKLOAD_NAMES)}, or a JSONL file of prompts",
+        help=f"one of {', '.join(WORKLOAD_NAMES)} (default: fixed), or a JSONL file of prompts",
     )
-    workload.add_argument("--num-requests", type=int, help="default: 100 (a file: every line)")
-    workload.add_argument("--input-len", type=int, default=256, help="prompt tokens (approximate)")
     workload.add_argument(
-        "--output-len", type=int, help="max_tokens; default 128 (code-edit: the file's length)"
+        "--num-requests", "--num-prompts", type=int, help="default: 100 (a file: every line)"
+    )
+    workload.add_argument(
+        "--input-len",
+        "--random-input-len",
+        type=int,
+        default=256,
+        help="prompt tokens (approximate)",
+    )
+    workload.add_argument(
+        "--output-len",
+        "--random-output-len",
+        type=int,
+        help="max_tokens; default 128 (code-edit: the file's length)",
     )
     workload.add_argument(
         "--prefix-len", type=int, help="shared-prefix: shared tokens (default 3/4 of input)"
@@ -105,7 +129,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_argument("--seed", type=int, default=0, help="seeds prompts and arrival times")
 
     load = parser.add_argument_group("load")
-    load.add_argument("--concurrency", type=int, help="most requests in flight per endpoint")
+    load.add_argument(
+        "--concurrency",
+        "--max-concurrency",
+        type=int,
+        help="most requests in flight per endpoint",
+    )
     load.add_argument(
         "--request-rate",
         action="append",
@@ -121,7 +150,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="gamma shape of inter-arrival times: 1 Poisson, <1 burstier, >1 more regular",
     )
     load.add_argument(
-        "--warmup", type=int, default=0, help="unrecorded requests per endpoint first"
+        "--warmup",
+        "--num-warmups",
+        type=int,
+        default=0,
+        help="unrecorded requests per endpoint first",
     )
 
     request = parser.add_argument_group("request")
@@ -143,15 +176,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--price", help="per 1M tokens, e.g. input=0.15,output=0.6,cached=0.075")
     report.add_argument("--json", metavar="FILE", help="write every result and record as JSON")
     report.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
-    report.add_argument("--no-progress", action="store_true", help="no progress bar")
+    report.add_argument(
+        "--no-progress", "--disable-tqdm", action="store_true", help="no progress bar"
+    )
+    add_vllm_arguments(parser)
+
+
+#: --endpoint values: ours, and the API paths vLLM's --endpoint takes.
+_ENDPOINTS = {
+    "chat": "chat",
+    "completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+}
+
+
+def _endpoint(text: str) -> str:
+    try:
+        return _ENDPOINTS[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use one of {', '.join(map(repr, _ENDPOINTS))}"
+        ) from None
 
 
 def _headers(items: list[str], param: str) -> dict[str, str]:
     headers = {}
     for item in items:
-        key, sep, value = item.partition(":")
-        if not sep or not key.strip():
-            raise BenchConfigError(f"expected K:V, got {item!r}", param=param)
+        # K:V (ours) or KEY=VALUE (vLLM's): a header name holds neither character, so the
+        # first of them ends the name.
+        cut = min((i for i in (item.find(":"), item.find("=")) if i >= 0), default=-1)
+        key, value = item[:cut], item[cut + 1 :]
+        if cut < 0 or not key.strip():
+            raise BenchConfigError(f"expected K:V or K=V, got {item!r}", param=param)
         headers[key.strip()] = value.strip()
     return headers
 
@@ -185,6 +242,7 @@ def _optional_float(text: str, none_word: str, param: str) -> float | None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Turn parsed flags into a validated BenchConfig (BenchConfigError names the flag)."""
+    sampling = apply_vllm_flags(args)
     headers = _headers(args.header, "--header")
     # From the environment here, not as an argparse default, so --help never prints a key.
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
@@ -211,17 +269,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             raise BenchConfigError(f"not JSON: {exc}", param="--extra-body") from exc
         if not isinstance(extra_body, dict):
             raise BenchConfigError("must be a JSON object", param="--extra-body")
+    extra_body = {**sampling, **extra_body}  # --extra-body wins, as in vLLM
     config = BenchConfig(
         targets=targets,
         workload=WorkloadSpec(
-            name=args.workload,
+            name=args.workload or "fixed",
             num_requests=args.num_requests,
             input_len=args.input_len,
             output_len=args.output_len,
             prefix_len=args.prefix_len,
             num_prefixes=args.num_prefixes,
         ),
-        endpoint=args.endpoint,
+        endpoint=args.endpoint or "chat",
         concurrency=args.concurrency,
         request_rates=_rates(args.request_rate),
         burstiness=args.burstiness,

@@ -47,6 +47,10 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: Label the series that follow one client (``infermux_cost_total``) by API key id and
     #: tenant. Off: by model only, so that a scrape says nothing about who spends what.
     tenant_labels: bool = False
+    #: Also show the request, token, latency and KV-cache series under vLLM's ``vllm:*``
+    #: names and ``model_name`` label, for dashboards, KEDA rules and endpoint pickers
+    #: written for vLLM (plugins/builtin/vllm_metric_names.py).
+    vllm_names: bool = False
 
 
 class SloConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

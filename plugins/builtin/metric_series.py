@@ -14,7 +14,7 @@ Not thread-safe: update and collect from one thread (the event loop).
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -25,13 +25,15 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["CounterSeries", "GaugeSeries", "HistogramSeries", "SeriesCollector"]
+__all__ = ["CounterSeries", "GaugeSeries", "HistogramSeries", "SeriesCollector", "SeriesView"]
 
 Labels = tuple[str, ...]
 
 
 class CounterSeries:
     """A counter family: label values -> running total."""
+
+    kind = "counter"
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
         self.name = name
@@ -46,14 +48,22 @@ class CounterSeries:
         values[labels] = values.get(labels, 0.0) + amount
 
     def family(self) -> Metric:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, value in self.values.items():
+        return self.render(self.name, self.documentation, self.labelnames, self.values)
+
+    @staticmethod
+    def render(
+        name: str, documentation: str, labelnames: list[str], values: dict[Labels, float]
+    ) -> Metric:
+        family = CounterMetricFamily(name, documentation, labels=labelnames)
+        for labels, value in values.items():
             family.add_metric(list(labels), value)
         return family
 
 
 class GaugeSeries:
     """A gauge family: label values -> current value."""
+
+    kind = "gauge"
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
         self.name = name
@@ -66,14 +76,22 @@ class GaugeSeries:
         values[labels] = values.get(labels, 0.0) + amount
 
     def family(self) -> Metric:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, value in self.values.items():
+        return self.render(self.name, self.documentation, self.labelnames, self.values)
+
+    @staticmethod
+    def render(
+        name: str, documentation: str, labelnames: list[str], values: dict[Labels, float]
+    ) -> Metric:
+        family = GaugeMetricFamily(name, documentation, labels=labelnames)
+        for labels, value in values.items():
             family.add_metric(list(labels), value)
         return family
 
 
 class HistogramSeries:
     """A histogram family: label values -> per-bucket counts (not cumulative) and sum."""
+
+    kind = "histogram"
 
     def __init__(
         self,
@@ -112,8 +130,18 @@ class HistogramSeries:
             row[-1] += amount
 
     def family(self) -> Metric:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, row in self.values.items():
+        return self.render(self.name, self.documentation, self.labelnames, self.values)
+
+    def render(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: list[str],
+        values: dict[Labels, list[float]],
+    ) -> Metric:
+        """``values`` rows laid out as :attr:`values`' (this histogram's buckets)."""
+        family = HistogramMetricFamily(name, documentation, labels=labelnames)
+        for labels, row in values.items():
             cumulative = 0.0
             buckets = []
             for le, count in zip(self._le, row[:-1], strict=True):
@@ -126,16 +154,62 @@ class HistogramSeries:
 Series = CounterSeries | GaugeSeries | HistogramSeries
 
 
+class SeriesView:
+    """A series under another name and label set, computed from its values when collected.
+
+    ``project`` maps the source's label values to the view's (None leaves them out); the
+    source rows that meet on one label set are summed, bucket by bucket for a histogram.
+    No numbers of its own: a view cannot drift from its source (vLLM's names for our
+    series, :mod:`plugins.builtin.vllm_metric_names`).
+    """
+
+    def __init__(
+        self,
+        source: Series,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        project: Callable[[Labels], Labels | None],
+    ) -> None:
+        self.source = source
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = list(labelnames)
+        self.kind = source.kind
+        self._project = project
+
+    def family(self) -> Metric:
+        source = self.source
+        if isinstance(source, HistogramSeries):
+            rows: dict[Labels, list[float]] = {}
+            for labels, row in source.values.items():
+                key = self._project(labels)
+                if key is None:
+                    continue
+                total = rows.get(key)
+                if total is None:
+                    rows[key] = list(row)
+                else:
+                    for i, count in enumerate(row):
+                        total[i] += count
+            return source.render(self.name, self.documentation, self.labelnames, rows)
+        sums: dict[Labels, float] = {}
+        for labels, value in source.values.items():
+            key = self._project(labels)
+            if key is not None:
+                sums[key] = sums.get(key, 0.0) + value
+        return source.render(self.name, self.documentation, self.labelnames, sums)
+
+
 class SeriesCollector(Collector):
     """Registers the series' names with a registry and renders them when it is collected."""
 
-    def __init__(self, series: Sequence[Series]) -> None:
+    def __init__(self, series: Sequence[Series | SeriesView]) -> None:
         self._series = list(series)
 
     def describe(self) -> list[Metric]:
         # Empty families: the registry reserves the names (a second registration raises).
-        kinds = {CounterSeries: "counter", GaugeSeries: "gauge", HistogramSeries: "histogram"}
-        return [Metric(s.name, s.documentation, kinds[type(s)]) for s in self._series]
+        return [Metric(s.name, s.documentation, s.kind) for s in self._series]
 
     def collect(self) -> Iterator[Metric]:
         for series in self._series:

@@ -39,6 +39,9 @@ cost_total                                 counter    model; + api_key, tenant w
                                                       (builtin.cost)
 =========================================  =========  =====================================
 
+With ``[telemetry.metrics] vllm_names = true`` the request, token, latency and KV-cache
+series are also shown under vLLM's ``vllm:*`` names (:mod:`plugins.builtin.vllm_metric_names`).
+
 Only configured model aliases become label values (anything else is ``unknown``), so a
 client cannot grow the label set. No series here names an API key or a tenant (the scrape
 endpoint may be public), and the prefix-cache figures are per backend, never per tenant.
@@ -66,6 +69,7 @@ from plugins.builtin.metric_series import (
     SeriesCollector,
 )
 from plugins.builtin.otel_env import build_meter_provider, metrics_export_wanted, shutdown_quietly
+from plugins.builtin.vllm_metric_names import ENGINE_LABELS, KV_CACHE_USAGE_NAMES, vllm_views
 from plugins.hookspecs import hookimpl
 from plugins.request_summary import http_request_id
 
@@ -218,6 +222,9 @@ class BackendStatsCollector(Collector):
 
     def __init__(self, backends: Mapping[str, Backend]) -> None:
         self._backends = backends
+        #: backend -> the model aliases it serves, when vLLM's names are on: its KV-cache
+        #: usage is also rendered as vLLM's gauges, from the same ``stats()`` reading.
+        self.vllm_models: Mapping[str, Sequence[str]] | None = None
 
     def describe(self) -> list[Any]:
         return []  # names depend on the backends; nothing to reserve
@@ -237,6 +244,13 @@ class BackendStatsCollector(Collector):
             )
             for key, (name, doc, label, kind) in _LABELED_STATS.items()
         }
+        vllm_models = self.vllm_models
+        vllm_kv = [
+            GaugeMetricFamily(
+                name, "KV-cache usage. 1 means 100 percent usage.", labels=ENGINE_LABELS
+            )
+            for name in (KV_CACHE_USAGE_NAMES if vllm_models is not None else ())
+        ]
         for name, backend in list(self._backends.items()):
             stats_of = getattr(backend, "stats", None)
             if not callable(stats_of):
@@ -252,6 +266,10 @@ class BackendStatsCollector(Collector):
                 value = stats.get(key)
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     family.add_metric([name], float(value))
+                    if key == "kv_cache_usage" and vllm_models is not None:
+                        for model in vllm_models.get(name, ()):
+                            for kv in vllm_kv:
+                                kv.add_metric([model, name], float(value))
             for key, value in stats.items():
                 base, sep, label_value = str(key).partition(":")
                 series = labeled.get(base) if sep else None
@@ -259,6 +277,7 @@ class BackendStatsCollector(Collector):
                     series.add_metric([name, label_value], float(value))
         yield from families.values()
         yield from labeled.values()
+        yield from vllm_kv
 
 
 class _Prometheus:
@@ -385,6 +404,8 @@ class MetricsPlugin:
         self._given_provider = meter_provider
         self._owned_provider: MeterProvider | None = None
         self._prom: _Prometheus | None = None
+        self._registry: CollectorRegistry | None = None
+        self._stats: BackendStatsCollector | None = None
         self._otel: _OTel | None = None
         self._aliases: frozenset[str] | None = None
         self._backend_kinds: dict[str, str] = {}
@@ -399,13 +420,17 @@ class MetricsPlugin:
         self, registry: CollectorRegistry, backends: Mapping[str, Backend]
     ) -> None:
         self._prom = _Prometheus(registry)
-        registry.register(BackendStatsCollector(backends))
+        self._registry = registry
+        self._stats = BackendStatsCollector(backends)
+        registry.register(self._stats)
 
     @hookimpl
     def infermux_startup(self, config: InfermuxConfig) -> None:
         self._aliases = frozenset(m.alias for m in config.models)
         self._backend_kinds = {b.name: b.kind for b in config.backends}
         self._slo = config.telemetry.slo
+        if config.telemetry.metrics.vllm_names:
+            self._show_vllm_names(config)
         provider = self._given_provider
         if provider is None and metrics_export_wanted(
             config.telemetry.metrics.otel_export, self._env
@@ -415,6 +440,33 @@ class MetricsPlugin:
             )
         if provider is not None:
             self._otel = _OTel(provider)
+
+    def _show_vllm_names(self, config: InfermuxConfig) -> None:
+        """Register vLLM's names as views of this app's series (the registry is per app)."""
+        prom, registry, stats = self._prom, self._registry, self._stats
+        if prom is None or registry is None or stats is None:
+            return  # no /metrics registry given to this plugin
+        registry.register(
+            SeriesCollector(
+                vllm_views(
+                    requests=prom.requests,
+                    duration=prom.duration,
+                    ttft=prom.ttft,
+                    tpot=prom.tpot,
+                    itl=prom.itl,
+                    phases=prom.phases,
+                    prompt_tokens=prom.prompt_tokens,
+                    completion_tokens=prom.completion_tokens,
+                    cached_tokens=prom.cached_tokens,
+                    running=prom.running,
+                    waiting=prom.waiting,
+                )
+            )
+        )
+        stats.vllm_models = {
+            backend.name: [m.alias for m in config.models if backend.name in m.backends]
+            for backend in config.backends
+        }
 
     @hookimpl
     def infermux_shutdown(self) -> None:
