@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "gateway.commands.key",
     "gateway.commands.usage",
     "gateway.commands.plan",
+    "gateway.commands.conformance",
     "gateway.bench.cli",
 )
 
