@@ -6,7 +6,9 @@ decode delay, so that the server is not CPU-bound and the two clients' own CPU u
 2-core machine does not change what they measure; ``--server core_engine`` serves the
 default model instead), then runs both clients with **one command line of vLLM's flags**
 (``--dataset-name random --random-input-len ... --max-concurrency ... --ignore-eos``), in
-fresh processes, interleaved ABBA, ``--runs`` times each, and compares the medians of
+fresh processes, interleaved ABBA, ``--runs`` times each (after a warm-up round of both,
+not recorded; each round its own seed, so no round hits the prefix cache of another), and
+compares the medians of
 request throughput, output-token throughput, mean and median TTFT. The agreement asked of
 them (issue 47): within 5 %.
 
@@ -152,13 +154,14 @@ def _tokenizer_dir(folder: Path) -> Path:
     return folder
 
 
-def _flags(args: argparse.Namespace, url: str) -> list[str]:
-    """The vLLM flags both clients get."""
+def _flags(args: argparse.Namespace, url: str, seed: int) -> list[str]:
+    """The vLLM flags both clients get in one round (a seed per round: prompts repeated from
+    an earlier round would be prefix-cache hits on a real engine)."""
     return [
         "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", ALIAS,
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-        "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "1",
+        "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", str(seed),
     ]
 
 
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds of both clients not recorded")
     args = parser.parse_args(argv)
 
     vllm_python = _ensure_vllm()
@@ -248,8 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         config = scratch / "server.toml"
         config.write_text(_config(args.server, args.token_delay_s))
         with _served(config, scratch / "serve.log") as url:
-            flags = _flags(args, url)
+            for i in range(args.warmup_rounds):  # first requests (kernels, allocator) not counted
+                print(f"warm-up round {i + 1}/{args.warmup_rounds} (not recorded)...", flush=True)
+                for client in ("vllm", "infermux"):
+                    _run_client(client, _flags(args, url, 1000 + i), vllm_python, tokenizer,
+                                scratch / f"warmup-{client}-{i}.json")
             for i in range(args.runs):
+                flags = _flags(args, url, i + 1)
                 order = ("vllm", "infermux") if i % 2 == 0 else ("infermux", "vllm")
                 for client in order:
                     print(f"run {i + 1}/{args.runs}: {client}...", flush=True)
