@@ -170,6 +170,7 @@ class Sequence:
             token_ids=last.token_ids,
             logprobs=last.logprobs if has_held else None,
             finish_reason=self.finish_reason,
+            stop_sequence=self._stop_buffer.matched,
             usage=Usage(
                 prompt_tokens=len(self.prompt),
                 completion_tokens=self.num_generated,

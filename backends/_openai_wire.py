@@ -121,6 +121,8 @@ class Choice(msgspec.Struct, kw_only=True, gc=False):
     text: str | None = None  # completions
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    #: vLLM's (and infermux's): the stop string that ended the output, or the stop token id.
+    stop_reason: int | str | None = None
 
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True, gc=False):

@@ -280,6 +280,9 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
     prompt_text: str | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: FinishReason | None = None
+    #: On the last chunk, when a stop string ended the output: the string that matched
+    #: (Anthropic's ``stop_sequence``, vLLM's ``stop_reason``).
+    stop_sequence: str | None = None
     #: Set on the last chunk (and on error, with what was produced so far).
     usage: Usage | None = None
     phases: EnginePhases | None = None

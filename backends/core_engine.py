@@ -777,6 +777,8 @@ class CoreEngineBackend:
                     token_ids=tuple(token_ids),
                     logprobs=entries,
                     finish_reason=out.finish_reason if final else None,  # type: ignore[arg-type]
+                    # The engine's stop_reason is the stop string or the stop token id.
+                    stop_sequence=out.stop_reason if final and isinstance(out.stop_reason, str) else None,
                     usage=self._usage(out, eog) if final else None,
                     phases=_phases(out.metrics) if final and out.metrics is not None else None,
                     speculation=_speculation(out.speculation) if final else None,

@@ -234,6 +234,7 @@ class MockBackend:
                 yield _chunk(tail.text, tail.payloads, want_logprobs)
         yield GenerationChunk(
             finish_reason=finish_reason,
+            stop_sequence=stop_buffer.matched,
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=emitted, cached_tokens=0),
         )
 

@@ -146,6 +146,7 @@ class _Events:
         "pending_prompt",
         "has_output",
         "finish_reason",
+        "stop_sequence",
         "usage",
         "done",
         "error",
@@ -160,6 +161,8 @@ class _Events:
         )
         self.has_output = False
         self.finish_reason: FinishReason | None = None
+        #: The upstream's ``stop_reason`` when it names a stop string (a token id does not).
+        self.stop_sequence: str | None = None
         self.usage: Usage | None = None
         #: ``[DONE]`` arrived.
         self.done = False
@@ -423,7 +426,9 @@ class OpenAICompatBackend:
                 )
             if events.pending_prompt is not None:
                 yield GenerationChunk(prompt_text=events.pending_prompt)
-            yield GenerationChunk(finish_reason=events.finish_reason, usage=events.usage)
+            yield GenerationChunk(
+                finish_reason=events.finish_reason, stop_sequence=events.stop_sequence, usage=events.usage
+            )
         finally:
             await response.aclose()
 
@@ -458,6 +463,8 @@ class OpenAICompatBackend:
             if choice.finish_reason is not None:
                 reason = choice.finish_reason
                 events.finish_reason = reason if reason in _FINISH_REASONS else "stop"  # type: ignore[assignment]
+                if isinstance(choice.stop_reason, str):
+                    events.stop_sequence = choice.stop_reason
             reasoning = ""
             calls: tuple[ToolCallDelta, ...] = ()
             if is_chat:

@@ -109,6 +109,7 @@ async def resumed_output(
                     token_ids=tuple(ids),
                     logprobs=logprobs,
                     finish_reason="stop",
+                    stop_sequence=output.matched,
                     usage=usage,
                     phases=chunk.phases,
                 )
@@ -121,6 +122,8 @@ async def resumed_output(
                     token_ids=chunk.token_ids,
                     logprobs=chunk.logprobs,
                     finish_reason=chunk.finish_reason,
+                    # Matched by the final decode here, else by the backend in its new text.
+                    stop_sequence=output.matched or chunk.stop_sequence,
                     usage=chunk.usage,
                     phases=chunk.phases,
                     speculation=chunk.speculation,

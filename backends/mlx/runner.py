@@ -328,6 +328,7 @@ class MLXRunner:
                 num_cached,
                 prefill_s,
                 time.monotonic() - started - (prefill_s or 0.0),
+                stop_sequence=stop_buffer.matched,
             )  # fmt: skip
         )
 
@@ -382,6 +383,8 @@ def _last_chunk(
     num_cached: int,
     prefill_s: float | None,
     decode_s: float,
+    *,
+    stop_sequence: str | None = None,
 ) -> GenerationChunk:
     last = _chunk(text, tokens, want_logprobs)
     return GenerationChunk(
@@ -389,6 +392,7 @@ def _last_chunk(
         token_ids=last.token_ids,
         logprobs=last.logprobs if tokens else None,
         finish_reason=finish_reason,
+        stop_sequence=stop_sequence,
         usage=Usage(
             prompt_tokens=num_prompt, completion_tokens=num_generated, cached_tokens=num_cached
         ),

@@ -10,8 +10,8 @@ parsers, router, plugins, limits, traces and ledger included.
 The answer is Anthropic's: one body (``content`` blocks ``thinking``, ``text``,
 ``tool_use``), or the event stream ``message_start``, ``ping``, ``content_block_start`` /
 ``content_block_delta`` (``text_delta``, ``thinking_delta``, ``input_json_delta``) /
-``content_block_stop`` per block, ``message_delta`` with ``stop_reason`` and usage, and
-``message_stop``; errors in Anthropic's envelope (gateway/anthropic/errors.py).
+``content_block_stop`` per block, ``message_delta`` with ``stop_reason``, ``stop_sequence``
+and usage, and ``message_stop``; errors in Anthropic's envelope (gateway/anthropic/errors.py).
 """
 
 from __future__ import annotations
@@ -209,6 +209,8 @@ class MessagesOutput:
         #: Tool calls by index: [id, name, argument fragments...].
         self._calls: dict[int, list[str]] = {}
         self._finish: str | None = None
+        #: The stop string that ended the answer (``stop_reason: "stop_sequence"``), if one did.
+        self._stop_sequence: str | None = None
         # The stream's open block: its index and kind ("thinking", "text", "tool_use").
         self._block: tuple[int, str] | None = None
         self._num_blocks = 0
@@ -222,6 +224,8 @@ class MessagesOutput:
             self._text.append(chunk.text)
         for delta in chunk.tool_calls:
             self._calls.setdefault(delta.index, [delta.id or "", delta.name or ""]).append(delta.arguments)
+        if chunk.stop_sequence is not None:
+            self._stop_sequence = chunk.stop_sequence
 
     def body(self, run: ChoiceRun) -> Message:
         content: list[TextBlock | ThinkingBlock | ToolUseBlock] = []
@@ -237,11 +241,13 @@ class MessagesOutput:
                 value = {"_raw": arguments}  # a call cut by max_tokens
             content.append(ToolUseBlock(id=call[0], name=call[1], input=value))
         finish = run.choices[0].finish_reason if run.choices else None
+        stop_reason, stop_sequence = self._stop(finish)
         return Message(
             id=self.message_id,
             model=self.model,
             content=content,
-            stop_reason=_STOP_REASONS.get(finish or "stop", "end_turn"),
+            stop_reason=stop_reason,
+            stop_sequence=stop_sequence,
             usage=_usage(usage_info(run.total_usage())),
         )
 
@@ -291,6 +297,8 @@ class MessagesOutput:
                 frames += self._delta({"type": "input_json_delta", "partial_json": delta.arguments})
         if chunk.finish_reason is not None:
             self._finish = chunk.finish_reason
+        if chunk.stop_sequence is not None:
+            self._stop_sequence = chunk.stop_sequence
         return frames
 
     def end_frames(self, usage: UsageInfo) -> bytes:
@@ -298,14 +306,22 @@ class MessagesOutput:
         if self._num_blocks == 0:  # an empty answer still has its (empty) text block
             frames += self._open("text", {"type": "text", "text": ""})
         frames += self._close()
+        stop_reason, stop_sequence = self._stop(self._finish)
         frames += _event(
             "message_delta",
             {
-                "delta": {"stop_reason": _STOP_REASONS.get(self._finish or "stop", "end_turn"), "stop_sequence": None},
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                 "usage": msgspec.to_builtins(_usage(usage)),
             },
         )
         return frames + _event("message_stop", {})
+
+    def _stop(self, finish: str | None) -> tuple[str, str | None]:
+        """``stop_reason`` and ``stop_sequence``: the matched stop string where one ended the
+        answer (a tool call the answer made still ends it with ``tool_use``)."""
+        if (finish or "stop") == "stop" and self._stop_sequence is not None:
+            return "stop_sequence", self._stop_sequence
+        return _STOP_REASONS.get(finish or "stop", "end_turn"), None
 
 
 def _usage(usage: UsageInfo) -> Usage:

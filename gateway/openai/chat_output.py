@@ -94,6 +94,7 @@ class ChatOutput:
         #: Per choice: call index -> [id, name, argument fragments...].
         self._calls: list[dict[int, list[str]]] = [{} for _ in range(num_choices)]
         self._entries: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        self._stop_sequences: list[str | None] = [None] * num_choices
 
     # -- one body -------------------------------------------------------------------------
 
@@ -108,6 +109,8 @@ class ChatOutput:
             call.append(delta.arguments)
         if self.logprobs and chunk.logprobs:
             self._entries[position].extend(chunk.logprobs)
+        if chunk.stop_sequence is not None:
+            self._stop_sequences[position] = chunk.stop_sequence
 
     def body(self, run: ChoiceRun) -> ChatCompletion:
         """The non-streaming response, after every choice finished."""
@@ -119,6 +122,7 @@ class ChatOutput:
                 if self.logprobs
                 else None,
                 finish_reason=choice.finish_reason or "stop",
+                stop_reason=self._stop_sequences[position],
             )
             for position, choice in enumerate(run.choices)
         ]
@@ -175,7 +179,10 @@ class ChatOutput:
         if chunk.finish_reason is not None:
             frames += self._frame(
                 ChatChunkChoice(
-                    index=position, delta=_EMPTY_DELTA, finish_reason=chunk.finish_reason
+                    index=position,
+                    delta=_EMPTY_DELTA,
+                    finish_reason=chunk.finish_reason,
+                    stop_reason=chunk.stop_sequence,
                 )
             )
         return frames

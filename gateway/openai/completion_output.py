@@ -83,6 +83,7 @@ class CompletionOutput:
         self.include_usage = include_usage
         self._texts: list[list[str]] = [[] for _ in range(num_choices)]
         self._logprobs = [_LegacyLogprobs() for _ in range(num_choices)]
+        self._stop_sequences: list[str | None] = [None] * num_choices
 
     def _take(self, position: int, chunk: GenerationChunk) -> tuple[str, bool]:
         """Text of this chunk (echoed prompt first) and whether it carried logprobs."""
@@ -104,6 +105,8 @@ class CompletionOutput:
         text, _ = self._take(position, chunk)
         if text:
             self._texts[position].append(text)
+        if chunk.stop_sequence is not None:
+            self._stop_sequences[position] = chunk.stop_sequence
 
     def body(self, run: ChoiceRun) -> Completion:
         """The non-streaming response, after every choice finished."""
@@ -113,6 +116,7 @@ class CompletionOutput:
                 text="".join(self._texts[position]),
                 logprobs=self._logprobs[position].struct() if self.logprobs is not None else None,
                 finish_reason=choice.finish_reason or "stop",
+                stop_reason=self._stop_sequences[position],
             )
             for position, choice in enumerate(run.choices)
         ]
@@ -156,6 +160,9 @@ class CompletionOutput:
                         text=text,
                         logprobs=logprobs,
                         finish_reason=chunk.finish_reason,
+                        stop_reason=chunk.stop_sequence
+                        if chunk.finish_reason is not None
+                        else msgspec.UNSET,
                     )
                 ],
                 usage=None if self.include_usage else msgspec.UNSET,

@@ -5,11 +5,7 @@ docs/conformance.md, each to be removed here when fixed, which this file's tests
 from __future__ import annotations
 
 #: Real contract bugs still open: the check name and why it fails on every backend.
-KNOWN_GAPS: dict[str, str] = {
-    "anthropic.stop_sequences": "backends do not report which stop string ended a generation "
-    "(GenerationChunk has no field for it), so /v1/messages answers stop_reason \"end_turn\" "
-    "and stop_sequence null where Anthropic's contract says \"stop_sequence\" and the match",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 #: Declared lacks per backend kind (SmolLM2 returns no reasoning field on any backend).
 NOT_APPLICABLE: dict[str, set[str]] = {

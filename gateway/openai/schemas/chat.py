@@ -208,6 +208,8 @@ class ChatChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    #: vLLM's: the stop string that ended the choice, else null; on a finished choice only.
+    stop_reason: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -249,6 +251,8 @@ class ChatChunkChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    #: vLLM's: the stop string that ended the choice, else null; on a finished choice only.
+    stop_reason: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -85,6 +85,8 @@ class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    #: vLLM's: the stop string that ended the choice, else null; on a finished choice only.
+    stop_reason: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True, gc=False):
