@@ -104,21 +104,21 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _config(server: str, token_delay_s: float) -> str:
+def _config(server: str, token_delay_s: float, threads: int) -> str:
     if server == "mock":
         return (f'[[backends]]\nname = "mock"\nkind = "mock"\n[backends.options]\ntoken_delay_s = {token_delay_s}\n'
                 f'\n[[models]]\nalias = "{ALIAS}"\nbackends = ["mock"]\n')
     return (f'[[backends]]\nname = "native"\nkind = "core_engine"\n[backends.options]\nweight_format = "auto"\n'
-            f'num_threads = 2\n\n[[models]]\nalias = "{ALIAS}"\nbackends = ["native"]\n')
+            f'num_threads = {threads}\n\n[[models]]\nalias = "{ALIAS}"\nbackends = ["native"]\n')
 
 
 @contextlib.contextmanager
-def _served(config: Path, log: Path) -> Iterator[str]:
+def _served(config: Path, log: Path, prefix: list[str]) -> Iterator[str]:
     """``infermux serve`` on a free loopback port until the block ends; yields its URL."""
     port = _free_port()
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port),
+            [*prefix, sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port),
              "--no-access-log"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "INFERMUX_LEDGER_PATH": str(log.parent / "ledger.sqlite3")},
@@ -165,14 +165,16 @@ def _flags(args: argparse.Namespace, url: str, seed: int) -> list[str]:
     ]
 
 
-def _run_client(client: str, flags: list[str], vllm_python: Path, tokenizer: Path, out: Path) -> dict[str, Any]:
+def _run_client(
+    client: str, flags: list[str], vllm_python: Path, tokenizer: Path, out: Path, prefix: list[str]
+) -> dict[str, Any]:
     """One client run in a fresh process; its figures (METRICS) and its raw result JSON."""
     save = ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     if client == "vllm":
         command = [str(vllm_python), "-c", _VLLM_RUNNER, *flags, "--tokenizer", str(tokenizer), *save]
     else:
         command = [sys.executable, "-m", "gateway.cli", "bench", *flags, *save]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run([*prefix, *command], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0 or not out.exists():
         raise SystemExit(f"{client} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     raw = json.loads(out.read_text())
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--pin", action="store_true", help="server on CPU 0, clients on CPU 1 (taskset)")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds of both clients not recorded")
     args = parser.parse_args(argv)
 
@@ -250,19 +253,22 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(scratch_name)
         tokenizer = _tokenizer_dir(scratch / "tokenizer")
         config = scratch / "server.toml"
-        config.write_text(_config(args.server, args.token_delay_s))
-        with _served(config, scratch / "serve.log") as url:
+        # --pin: the server on CPU 0, the clients on CPU 1, so that a client's own CPU time
+        # cannot slow the server it measures (a CPU-bound server then runs one thread).
+        server_cpu, client_cpu = (["taskset", "-c", "0"], ["taskset", "-c", "1"]) if args.pin else ([], [])
+        config.write_text(_config(args.server, args.token_delay_s, 1 if args.pin else 2))
+        with _served(config, scratch / "serve.log", server_cpu) as url:
             for i in range(args.warmup_rounds):  # first requests (kernels, allocator) not counted
                 print(f"warm-up round {i + 1}/{args.warmup_rounds} (not recorded)...", flush=True)
                 for client in ("vllm", "infermux"):
                     _run_client(client, _flags(args, url, 1000 + i), vllm_python, tokenizer,
-                                scratch / f"warmup-{client}-{i}.json")
+                                scratch / f"warmup-{client}-{i}.json", client_cpu)
             for i in range(args.runs):
                 flags = _flags(args, url, i + 1)
                 order = ("vllm", "infermux") if i % 2 == 0 else ("infermux", "vllm")
                 for client in order:
                     print(f"run {i + 1}/{args.runs}: {client}...", flush=True)
-                    run = _run_client(client, flags, vllm_python, tokenizer, scratch / f"{client}-{i}.json")
+                    run = _run_client(client, flags, vllm_python, tokenizer, scratch / f"{client}-{i}.json", client_cpu)
                     run["index"] = i
                     runs.append(run)
                     print("   " + ", ".join(f"{k} {v:.2f}" for k, v in run["figures"].items()), flush=True)
