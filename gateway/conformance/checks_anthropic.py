@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.conformance.expect import expect, expect_type, stop_string_of
+from gateway.conformance.expect import expect, expect_type, ok_object, stop_string_of
 from gateway.conformance.runner import Exchange, Probe, check
 
 REF = "https://docs.anthropic.com/en"
@@ -21,10 +21,7 @@ STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_tu
 
 def message(probe: Probe, **fields: Any) -> tuple[Exchange, dict[str, Any]]:
     body = {"model": probe.model, "max_tokens": 16, "messages": STORY, "temperature": 0, **fields}
-    exchange = probe.require_ok(probe.post(MESSAGES, body))
-    data = exchange.json()
-    expect_type(data, dict, "the body", exchange)
-    return exchange, data
+    return ok_object(probe, MESSAGES, body)
 
 
 def _text(data: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from gateway.conformance.expect import (
     expect_type,
     expect_usage,
     greedy,
+    ok_object,
     stop_string_of,
 )
 from gateway.conformance.runner import Exchange, NotApplicable, Probe, check
@@ -27,10 +28,7 @@ FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter", "function_ca
 def chat(probe: Probe, **fields: Any) -> tuple[Exchange, dict[str, Any]]:
     """A greedy, non-streamed chat request (the story prompt unless ``messages`` is given)."""
     body = greedy(probe, {"messages": STORY, "max_tokens": 16, **fields})
-    exchange = probe.require_ok(probe.post(CHAT, body))
-    data = exchange.json()
-    expect_type(data, dict, "the body", exchange)
-    return exchange, data
+    return ok_object(probe, CHAT, body)
 
 
 def chat_stream(probe: Probe, **fields: Any) -> tuple[Exchange, list[dict[str, Any]]]:

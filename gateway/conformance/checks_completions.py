@@ -14,6 +14,7 @@ from gateway.conformance.expect import (
     expect_type,
     expect_usage,
     greedy,
+    ok_object,
     stop_string_of,
 )
 from gateway.conformance.runner import Exchange, Probe, check
@@ -26,10 +27,7 @@ FINISH_REASONS = ("stop", "length", "content_filter")
 
 def complete(probe: Probe, **fields: Any) -> tuple[Exchange, dict[str, Any]]:
     body = greedy(probe, {"prompt": PROMPT, "max_tokens": 12, **fields})
-    exchange = probe.require_ok(probe.post(COMPLETIONS, body))
-    data = exchange.json()
-    expect_type(data, dict, "the body", exchange)
-    return exchange, data
+    return ok_object(probe, COMPLETIONS, body)
 
 
 @check("completions.body", "openai", f"{REF}/object (id, object \"text_completion\", choices[].text/index/logprobs/finish_reason, usage)")

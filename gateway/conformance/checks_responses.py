@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.conformance.expect import data_events, expect, expect_error_envelope, expect_type
+from gateway.conformance.expect import (
+    data_events,
+    expect,
+    expect_error_envelope,
+    expect_type,
+    ok_object,
+)
 from gateway.conformance.runner import Exchange, Probe, check
 
 REF = "https://platform.openai.com/docs/api-reference"
@@ -19,10 +25,7 @@ STORY = "Write a long story, with many chapters and characters, about a dragon w
 
 def respond(probe: Probe, **fields: Any) -> tuple[Exchange, dict[str, Any]]:
     body = {"model": probe.model, "input": STORY, "max_output_tokens": 16, "temperature": 0, **fields}
-    exchange = probe.require_ok(probe.post(RESPONSES, body))
-    data = exchange.json()
-    expect_type(data, dict, "the body", exchange)
-    return exchange, data
+    return ok_object(probe, RESPONSES, body)
 
 
 def output_text(data: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ __all__ = [
     "expect_type",
     "expect_usage",
     "greedy",
+    "ok_object",
     "stop_string_of",
 ]
 
@@ -43,6 +44,15 @@ def expect_type(value: Any, types: type | tuple[type, ...], field: str, exchange
     ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
     names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in allowed)
     expect(ok, f"{field} must be {names}, got {json.dumps(value)[:200]}", exchange)
+
+
+def ok_object(probe: Probe, path: str, body: dict[str, Any]) -> tuple[Exchange, dict[str, Any]]:
+    """POST ``body`` to ``path``: the exchange and its JSON object (n/a on a missing route,
+    a failure when the status is not 200 or the body not an object)."""
+    exchange = probe.require_ok(probe.post(path, body))
+    data = exchange.json()
+    expect_type(data, dict, "the body", exchange)
+    return exchange, data
 
 
 def expect_usage(usage: Any, exchange: Exchange, *, field: str = "usage") -> None:

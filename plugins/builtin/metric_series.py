@@ -30,16 +30,36 @@ __all__ = ["CounterSeries", "GaugeSeries", "HistogramSeries", "SeriesCollector",
 Labels = tuple[str, ...]
 
 
-class CounterSeries:
-    """A counter family: label values -> running total."""
+class _ScalarSeries:
+    """A family of one value per label set (what counters and gauges share)."""
 
-    kind = "counter"
+    kind = ""
+    _family: type[CounterMetricFamily] | type[GaugeMetricFamily]
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = list(labelnames)
         self.values: dict[Labels, float] = {}
+
+    def family(self) -> Metric:
+        return self.render(self.name, self.documentation, self.labelnames, self.values)
+
+    @classmethod
+    def render(
+        cls, name: str, documentation: str, labelnames: list[str], values: dict[Labels, float]
+    ) -> Metric:
+        family = cls._family(name, documentation, labels=labelnames)
+        for labels, value in values.items():
+            family.add_metric(list(labels), value)
+        return family
+
+
+class CounterSeries(_ScalarSeries):
+    """A counter family: label values -> running total."""
+
+    kind = "counter"
+    _family = CounterMetricFamily
 
     def inc(self, labels: Labels, amount: float = 1.0) -> None:
         if amount < 0:
@@ -47,45 +67,16 @@ class CounterSeries:
         values = self.values
         values[labels] = values.get(labels, 0.0) + amount
 
-    def family(self) -> Metric:
-        return self.render(self.name, self.documentation, self.labelnames, self.values)
 
-    @staticmethod
-    def render(
-        name: str, documentation: str, labelnames: list[str], values: dict[Labels, float]
-    ) -> Metric:
-        family = CounterMetricFamily(name, documentation, labels=labelnames)
-        for labels, value in values.items():
-            family.add_metric(list(labels), value)
-        return family
-
-
-class GaugeSeries:
+class GaugeSeries(_ScalarSeries):
     """A gauge family: label values -> current value."""
 
     kind = "gauge"
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = list(labelnames)
-        self.values: dict[Labels, float] = {}
+    _family = GaugeMetricFamily
 
     def add(self, labels: Labels, amount: float) -> None:
         values = self.values
         values[labels] = values.get(labels, 0.0) + amount
-
-    def family(self) -> Metric:
-        return self.render(self.name, self.documentation, self.labelnames, self.values)
-
-    @staticmethod
-    def render(
-        name: str, documentation: str, labelnames: list[str], values: dict[Labels, float]
-    ) -> Metric:
-        family = GaugeMetricFamily(name, documentation, labels=labelnames)
-        for labels, value in values.items():
-            family.add_metric(list(labels), value)
-        return family
 
 
 class HistogramSeries:

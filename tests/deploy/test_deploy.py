@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,20 @@ def image_command(dockerfile: Dockerfile, workdir: Path) -> tuple[list[str], dic
     return command + args, env
 
 
+def wait_ready(process: subprocess.Popen[Any], port: str | int, output: Callable[[], str]) -> None:
+    """Until ``/ready`` answers 200 (fails with ``output()`` if the process exits first)."""
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None, output()[-3000:]
+        assert time.monotonic() < deadline, "not ready within 300 s"
+        time.sleep(0.2)
+
+
 def test_the_image_runs_as_a_user_and_checks_ready() -> None:
     dockerfile = Dockerfile(DEPLOY / "Dockerfile")
     assert dockerfile.user and dockerfile.user != "root"
@@ -124,16 +140,7 @@ def test_the_image_command_serves_the_default_model_and_answers_ready(tmp_path: 
         text=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "not ready within 300 s"
-            time.sleep(0.2)
+        wait_ready(process, port, lambda: process.communicate()[0])
         answer = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             json={"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}],
@@ -193,7 +200,7 @@ def test_the_image_install_compiles_the_kernels_for_a_runtime_without_a_compiler
                                   capture_output=True, text=True, check=True).stdout.strip())
     # The dependencies (the stage's line before: torch, pip, setuptools...) from this checkout's
     # venv, after the new venv's own packages: a test cannot download them.
-    (purelib / "zz-dependencies.pth").write_text(sysconfig_purelib() + "\n")
+    (purelib / "zz-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     args = [str(source) if arg == "." else arg for arg in pip_args]
     build = subprocess.run(
         [str(python), "-m", "pip", "install", "--no-index", *args],
@@ -224,16 +231,7 @@ def test_the_image_install_compiles_the_kernels_for_a_runtime_without_a_compiler
             cwd=tmp_path, env=runtime_env, stdout=out, stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "not ready within 300 s"
-            time.sleep(0.2)
+        wait_ready(process, port, log.read_text)
         answer = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             json={"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
@@ -255,12 +253,6 @@ def test_the_image_install_compiles_the_kernels_for_a_runtime_without_a_compiler
     assert "matmul weights: int4" in served
     assert "compiling" not in served and "did not build" not in served
     assert not (tmp_path / "cache" / "kernels").exists()
-
-
-def sysconfig_purelib() -> str:
-    import sysconfig
-
-    return sysconfig.get_paths()["purelib"]
 
 
 def test_the_image_config_refuses_all_interfaces_without_keys() -> None:
